@@ -1,0 +1,41 @@
+#pragma once
+// The online-softmax state (o, m, l) of one query row: the common currency of every read.
+//
+// Over the logits s_j seen so far, m = max_j s_j, l = sum_j exp(s_j - m) and
+// o = sum_j exp(s_j - m) u_j (not yet divided by l). Two states over disjoint sets of rows
+// merge exactly, which is what lets a read be tiled, and split across threads for decoding.
+#include <cmath>
+#include <limits>
+
+#include "ovq/config.hpp"
+#include "ovq/core/types.hpp"
+
+namespace ovq {
+
+template <class Scalar>
+struct SoftmaxStats {
+  Scalar m = -std::numeric_limits<Scalar>::infinity();
+  Scalar l = Scalar(0);
+
+  OVQ_HOST_DEVICE bool empty() const { return !(l > Scalar(0)); }
+};
+
+// Folds the state (o_b, b) into (o_a, a). o_a and o_b have `dim` entries. Cost O(dim).
+template <class Scalar>
+OVQ_HOST_DEVICE void merge_softmax(Scalar* o_a, SoftmaxStats<Scalar>& a, const Scalar* o_b,
+                                   const SoftmaxStats<Scalar>& b, Index dim) {
+  if (b.empty()) return;
+  if (a.empty()) {
+    for (Index d = 0; d < dim; ++d) o_a[d] = o_b[d];
+    a = b;
+    return;
+  }
+  const Scalar m = a.m > b.m ? a.m : b.m;
+  const Scalar sa = std::exp(a.m - m);
+  const Scalar sb = std::exp(b.m - m);
+  for (Index d = 0; d < dim; ++d) o_a[d] = o_a[d] * sa + o_b[d] * sb;
+  a.l = a.l * sa + b.l * sb;
+  a.m = m;
+}
+
+}  // namespace ovq

@@ -1,0 +1,100 @@
+#pragma once
+// Matrices, vectors and the non-owning row views the kernels work on.
+//
+// Everything is row-major (tokens x features): a token is one contiguous row, as in NumPy and
+// PyTorch. Public entry points take Eigen::Ref, so a row-major Eigen matrix, a block of one, or an
+// Eigen::Map over the caller's buffer is read in place, without a copy.
+#include <Eigen/Core>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "ovq/config.hpp"
+
+namespace ovq {
+
+using Index = std::ptrdiff_t;
+
+template <class Scalar>
+using RowMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+template <class Scalar>
+using RowVector = Eigen::Matrix<Scalar, 1, Eigen::Dynamic>;
+
+template <class Scalar>
+using ConstMatrixRef = Eigen::Ref<const RowMatrix<Scalar>, 0, Eigen::OuterStride<>>;
+template <class Scalar>
+using MatrixRef = Eigen::Ref<RowMatrix<Scalar>, 0, Eigen::OuterStride<>>;
+template <class Scalar>
+using ConstVectorRef = Eigen::Ref<const RowVector<Scalar>>;
+template <class Scalar>
+using VectorRef = Eigen::Ref<RowVector<Scalar>>;
+
+template <class Scalar>
+inline constexpr bool is_supported_scalar_v =
+    std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>;
+
+// A strided block of rows: row i starts at data + i * stride. Kernels take these so that they
+// do not depend on Eigen's expression types (and so that CUDA code can share them).
+template <class Scalar>
+struct RowsView {
+  Scalar* data = nullptr;
+  Index rows = 0;
+  Index cols = 0;
+  Index stride = 0;
+
+  OVQ_HOST_DEVICE Scalar* row(Index i) const { return data + i * stride; }
+  OVQ_HOST_DEVICE RowsView middle_rows(Index first, Index count) const {
+    return {data + first * stride, count, cols, stride};
+  }
+  // A view of the same rows as read-only.
+  operator RowsView<const Scalar>() const { return {data, rows, cols, stride}; }
+};
+
+template <class Scalar>
+using ConstRowsView = RowsView<const Scalar>;
+
+template <class Derived>
+auto rows_view(const Eigen::DenseBase<Derived>& m)
+    -> ConstRowsView<typename Derived::Scalar> {
+  static_assert(Derived::IsRowMajor || Derived::ColsAtCompileTime == 1 ||
+                    Derived::RowsAtCompileTime == 1,
+                "ovq works on row-major matrices");
+  const auto& d = m.derived();
+  return {d.data(), d.rows(), d.cols(), d.rows() > 1 ? d.outerStride() : d.cols()};
+}
+
+template <class Derived>
+auto rows_view(Eigen::DenseBase<Derived>& m) -> RowsView<typename Derived::Scalar> {
+  static_assert(Derived::IsRowMajor || Derived::ColsAtCompileTime == 1 ||
+                    Derived::RowsAtCompileTime == 1,
+                "ovq works on row-major matrices");
+  auto& d = m.derived();
+  return {d.data(), d.rows(), d.cols(), d.rows() > 1 ? d.outerStride() : d.cols()};
+}
+
+// Eigen views over a RowsView, for the tile-level GEMMs of the portable kernels.
+template <class Scalar>
+using StridedMap = Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>>;
+template <class Scalar>
+using ConstStridedMap = Eigen::Map<const RowMatrix<Scalar>, 0, Eigen::OuterStride<>>;
+
+template <class Scalar>
+StridedMap<Scalar> as_eigen(const RowsView<Scalar>& v) {
+  return StridedMap<Scalar>(v.data, v.rows, v.cols, Eigen::OuterStride<>(v.stride));
+}
+template <class Scalar>
+ConstStridedMap<Scalar> as_eigen(const RowsView<const Scalar>& v) {
+  return ConstStridedMap<Scalar>(v.data, v.rows, v.cols, Eigen::OuterStride<>(v.stride));
+}
+
+// Row i of a view as an Eigen row vector (for dot products and norms).
+template <class Scalar>
+Eigen::Map<const RowVector<Scalar>> row_map(const RowsView<const Scalar>& v, Index i) {
+  return Eigen::Map<const RowVector<Scalar>>(v.row(i), v.cols);
+}
+template <class Scalar>
+Eigen::Map<RowVector<Scalar>> row_map(const RowsView<Scalar>& v, Index i) {
+  return Eigen::Map<RowVector<Scalar>>(v.row(i), v.cols);
+}
+
+}  // namespace ovq

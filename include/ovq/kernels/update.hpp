@@ -1,0 +1,80 @@
+#pragma once
+// The sparse centroid update: only rows with at least one new member change.
+//
+// For each row r with cnt_r > 0 members among the chunk rows x_i (a_i = r), count c_r before:
+//   adaptive: D[r] += (sum_{a_i = r} x_i - cnt_r D[r]) / (c_r + cnt_r)
+//             (= (c_r D[r] + sum x_i) / (c_r + cnt_r), the running mean, in a form that keeps
+//             float precision when c_r is large)
+//   constant: D[r] = (1 - eta) D[r] + eta * mean_{a_i = r} x_i
+// Shapes: D (n x d), x (L x d), a (L), counts (n, before the update). Cost: O(L d).
+#include <cstdint>
+#include <vector>
+
+#include "ovq/core/types.hpp"
+#include "ovq/state/policies.hpp"
+
+namespace ovq::kernels {
+
+// The chunk rows grouped by centroid: members of group g are order[begin[g] .. begin[g+1]).
+struct AssignmentGroups {
+  std::vector<Index> rows;     // touched centroid of each group, increasing
+  std::vector<Index> begin;    // groups + 1 offsets into order
+  std::vector<Index> order;    // chunk rows, grouped
+
+  void build(const Index* assignment, Index n_rows, Index n_centroids) {
+    std::vector<Index> count(static_cast<std::size_t>(n_centroids) + 1, 0);
+    for (Index i = 0; i < n_rows; ++i) ++count[static_cast<std::size_t>(assignment[i])];
+    rows.clear();
+    begin.clear();
+    std::vector<Index> slot(static_cast<std::size_t>(n_centroids), -1);
+    Index offset = 0;
+    for (Index r = 0; r < n_centroids; ++r) {
+      if (count[static_cast<std::size_t>(r)] == 0) continue;
+      slot[static_cast<std::size_t>(r)] = offset;
+      rows.push_back(r);
+      begin.push_back(offset);
+      offset += count[static_cast<std::size_t>(r)];
+    }
+    begin.push_back(offset);
+    order.assign(static_cast<std::size_t>(n_rows), 0);
+    for (Index i = 0; i < n_rows; ++i)
+      order[static_cast<std::size_t>(slot[static_cast<std::size_t>(assignment[i])]++)] = i;
+  }
+
+  Index size() const { return static_cast<Index>(rows.size()); }
+  Index members(Index g) const {
+    return begin[static_cast<std::size_t>(g) + 1] - begin[static_cast<std::size_t>(g)];
+  }
+};
+
+template <class Scalar>
+void scatter_mean_update(RowsView<Scalar> dict, const std::int64_t* counts_before,
+                         const AssignmentGroups& groups, ConstRowsView<Scalar> x,
+                         const UpdateRate& rate) {
+  const Index d = dict.cols;
+  RowVector<Scalar> sum(d);
+  for (Index g = 0; g < groups.size(); ++g) {
+    const Index r = groups.rows[static_cast<std::size_t>(g)];
+    const Index cnt = groups.members(g);
+    sum.setZero();
+    for (Index m = groups.begin[static_cast<std::size_t>(g)];
+         m < groups.begin[static_cast<std::size_t>(g) + 1]; ++m) {
+      const Scalar* row = x.row(groups.order[static_cast<std::size_t>(m)]);
+      for (Index c = 0; c < d; ++c) sum[c] += row[c];
+    }
+    Scalar* target = dict.row(r);
+    if (rate.kind == UpdateRate::Kind::adaptive) {
+      const Scalar inv_total =
+          Scalar(1) / static_cast<Scalar>(static_cast<double>(counts_before[r] + cnt));
+      const Scalar n_new = static_cast<Scalar>(cnt);
+      for (Index c = 0; c < d; ++c) target[c] += (sum[c] - n_new * target[c]) * inv_total;
+    } else {
+      const Scalar eta = static_cast<Scalar>(rate.eta);
+      const Scalar inv_cnt = Scalar(1) / static_cast<Scalar>(cnt);
+      for (Index c = 0; c < d; ++c)
+        target[c] = (Scalar(1) - eta) * target[c] + eta * (sum[c] * inv_cnt);
+    }
+  }
+}
+
+}  // namespace ovq::kernels

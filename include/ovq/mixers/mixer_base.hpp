@@ -1,0 +1,96 @@
+#pragma once
+// What every mixer offers on top of its own chunk loop, written once:
+//
+//   forward(state, Q, K, V, O)      chunk-parallel, continues from the state
+//   step(state, q, k, v, o)         one token, for decoding; same result as forward
+//   forward_heads(state, ...)       several query heads sharing one key/value state (GQA)
+//
+// A mixer (Derived) provides:
+//   void check_state(const char* where, const State&) const;
+//   void forward_unchecked(State&, const ConstRowsView<S>* q, Index heads,
+//                          ConstRowsView<S> k, ConstRowsView<S> v, const RowsView<S>* o) const;
+// Every argument is checked here before the state is touched; forward_unchecked then cannot fail
+// on input (only on memory exhaustion).
+#include <vector>
+
+#include "ovq/core/checks.hpp"
+#include "ovq/core/types.hpp"
+
+namespace ovq {
+
+template <class Derived, class Scalar, class StateT>
+class MixerBase {
+  static_assert(is_supported_scalar_v<Scalar>, "ovq mixers run in float or double");
+
+ public:
+  using scalar_type = Scalar;
+  using State = StateT;
+
+  // Q: T x dk, K: T x dk, V: T x dv, O: T x dv (written).
+  void forward(State& state, const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
+               const ConstMatrixRef<Scalar>& v, MatrixRef<Scalar> o) const {
+    const ConstRowsView<Scalar> qv = rows_view(q);
+    const RowsView<Scalar> ov = rows_view(o);
+    forward_heads(state, &qv, 1, rows_view(k), rows_view(v), &ov);
+  }
+
+  RowMatrix<Scalar> forward(State& state, const ConstMatrixRef<Scalar>& q,
+                            const ConstMatrixRef<Scalar>& k,
+                            const ConstMatrixRef<Scalar>& v) const {
+    RowMatrix<Scalar> o(q.rows(), v.cols());
+    forward(state, q, k, v, o);
+    return o;
+  }
+
+  // One token: q (dk), k (dk), v (dv), o (dv, written).
+  void step(State& state, const ConstVectorRef<Scalar>& q, const ConstVectorRef<Scalar>& k,
+            const ConstVectorRef<Scalar>& v, VectorRef<Scalar> o) const {
+    const ConstRowsView<Scalar> qv{q.data(), 1, q.size(), q.size()};
+    const RowsView<Scalar> ov{o.data(), 1, o.size(), o.size()};
+    forward_heads(state, &qv, 1, {k.data(), 1, k.size(), k.size()},
+                  {v.data(), 1, v.size(), v.size()}, &ov, "step");
+  }
+
+  RowVector<Scalar> step(State& state, const ConstVectorRef<Scalar>& q,
+                         const ConstVectorRef<Scalar>& k, const ConstVectorRef<Scalar>& v) const {
+    RowVector<Scalar> o(v.size());
+    step(state, q, k, v, o);
+    return o;
+  }
+
+  // `heads` query heads read the same state: q[h] (T x dk) -> o[h] (T x dv); the state is
+  // written once with k (T x dk), v (T x dv).
+  void forward_heads(State& state, const ConstRowsView<Scalar>* q, Index heads,
+                     ConstRowsView<Scalar> k, ConstRowsView<Scalar> v, const RowsView<Scalar>* o,
+                     const char* where = "forward") const {
+    check_forward(where, state, q, heads, k, v, o);
+    self().forward_unchecked(state, q, heads, k, v, o);
+  }
+
+  // The checks of forward_heads alone, for callers (multi-head layers) that check every head
+  // before running any.
+  void check_forward(const char* where, const State& state, const ConstRowsView<Scalar>* q,
+                     Index heads, ConstRowsView<Scalar> k, ConstRowsView<Scalar> v,
+                     const RowsView<Scalar>* o) const {
+    self().check_state(where, state);
+    const Index dk = state.key_dim();
+    const Index dv = state.value_dim();
+    detail::require(heads >= 1, where, "query heads = ", heads, ", expected >= 1");
+    detail::check_cols(where, "K", k.cols, dk, "the state's dk");
+    detail::check_cols(where, "V", v.cols, dv, "the state's dv");
+    detail::check_rows(where, "V", v.rows, k.rows, "the rows of K");
+    for (Index h = 0; h < heads; ++h) {
+      detail::check_cols(where, "Q", q[h].cols, dk, "the state's dk");
+      detail::check_rows(where, "Q", q[h].rows, k.rows, "the rows of K");
+      detail::check_shape(where, "O", o[h].rows, o[h].cols, k.rows, dv);
+    }
+    for (Index h = 0; h < heads; ++h) detail::check_finite<Scalar>(where, "Q", q[h]);
+    detail::check_finite<Scalar>(where, "K", k);
+    detail::check_finite<Scalar>(where, "V", v);
+  }
+
+ private:
+  const Derived& self() const { return static_cast<const Derived&>(*this); }
+};
+
+}  // namespace ovq

@@ -1,0 +1,109 @@
+#pragma once
+// What self-attention remembers: the keys and values of past tokens, all of them or, with a
+// sliding window W, the last W - 1 (the most a future query can still see).
+//
+// Rows are kept contiguous and oldest first, so the cache is directly the memory block of the
+// fused read. Memory: rows (dk + dv) scalars, growing with the stream unless windowed.
+#include <algorithm>
+#include <cstdint>
+
+#include "ovq/core/checks.hpp"
+#include "ovq/core/types.hpp"
+
+namespace ovq {
+
+template <class Scalar>
+class KvCache {
+  static_assert(is_supported_scalar_v<Scalar>, "ovq states hold float or double");
+
+ public:
+  using scalar_type = Scalar;
+
+  KvCache() = default;
+  static constexpr Index kKeepAll = -1;
+
+  // keep_rows: kKeepAll keeps every row, otherwise only the newest keep_rows rows (maybe 0).
+  KvCache(Index dk, Index dv, Index keep_rows = kKeepAll)
+      : dk_(dk), dv_(dv), keep_rows_(keep_rows) {
+    detail::check_positive("KvCache", "dk", dk);
+    detail::check_positive("KvCache", "dv", dv);
+    detail::require(keep_rows >= kKeepAll, "KvCache", "keep_rows = ", keep_rows,
+                    ", expected >= 0 or kKeepAll");
+    keys_.resize(0, dk);
+    values_.resize(0, dv);
+  }
+
+  Index key_dim() const { return dk_; }
+  Index value_dim() const { return dv_; }
+  Index size() const { return size_; }
+  Index keep_rows() const { return keep_rows_; }
+  // Tokens appended since the last reset (a windowed cache forgets rows, not this count).
+  std::int64_t tokens() const { return tokens_; }
+
+  ConstRowsView<Scalar> keys() const { return {keys_.data(), size_, dk_, dk_}; }
+  ConstRowsView<Scalar> values() const { return {values_.data(), size_, dv_, dv_}; }
+
+  // Payload bytes held (the rows kept), which is what the cache costs.
+  std::size_t bytes() const { return static_cast<std::size_t>(size_ * (dk_ + dv_)) * sizeof(Scalar); }
+
+  void reset() {
+    size_ = 0;
+    tokens_ = 0;
+  }
+
+  // Appends rows (k: n x dk, v: n x dv), dropping the oldest beyond keep_rows.
+  // Amortised O(n (dk + dv)); a windowed cache moves at most keep_rows rows.
+  void append(ConstRowsView<Scalar> k, ConstRowsView<Scalar> v) {
+    const Index n = k.rows;
+    tokens_ += n;
+    Index first = 0;  // first input row that survives
+    if (keep_rows_ >= 0 && n >= keep_rows_) {
+      first = n - keep_rows_;
+      size_ = 0;
+    } else if (keep_rows_ >= 0 && size_ + n > keep_rows_) {
+      const Index drop = size_ + n - keep_rows_;
+      const Index kept = size_ - drop;
+      keys_.topRows(kept) = keys_.middleRows(drop, kept).eval();
+      values_.topRows(kept) = values_.middleRows(drop, kept).eval();
+      size_ = kept;
+    }
+    reserve(size_ + n - first);
+    for (Index i = first; i < n; ++i, ++size_) {
+      std::copy(k.row(i), k.row(i) + dk_, keys_.row(size_).data());
+      std::copy(v.row(i), v.row(i) + dv_, values_.row(size_).data());
+    }
+  }
+
+  // Restores the exact rows (used when loading a saved state).
+  void assign(ConstRowsView<Scalar> k, ConstRowsView<Scalar> v, std::int64_t tokens) {
+    size_ = 0;
+    reserve(k.rows);
+    append(k, v);
+    tokens_ = tokens;
+  }
+
+  friend bool operator==(const KvCache& a, const KvCache& b) {
+    return a.dk_ == b.dk_ && a.dv_ == b.dv_ && a.keep_rows_ == b.keep_rows_ &&
+           a.size_ == b.size_ && a.tokens_ == b.tokens_ &&
+           as_eigen(a.keys()) == as_eigen(b.keys()) && as_eigen(a.values()) == as_eigen(b.values());
+  }
+
+ private:
+  void reserve(Index rows) {
+    if (rows <= keys_.rows()) return;
+    const Index grown = std::max<Index>(rows, keys_.rows() + keys_.rows() / 2 + 16);
+    const Index capacity = keep_rows_ >= 0 ? std::min(grown, keep_rows_) : grown;
+    keys_.conservativeResize(std::max(capacity, rows), dk_);
+    values_.conservativeResize(std::max(capacity, rows), dv_);
+  }
+
+  Index dk_ = 0;
+  Index dv_ = 0;
+  Index keep_rows_ = 0;
+  Index size_ = 0;
+  std::int64_t tokens_ = 0;
+  RowMatrix<Scalar> keys_;    // capacity x dk, rows [0, size) in use
+  RowMatrix<Scalar> values_;  // capacity x dv
+};
+
+}  // namespace ovq

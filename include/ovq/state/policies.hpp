@@ -1,0 +1,94 @@
+#pragma once
+// The choices the OVQ paper leaves open, as small option structs (the paper's ablations):
+// how the dictionary grows, how new centroids are seeded, and the centroid update rate.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "ovq/core/checks.hpp"
+#include "ovq/core/types.hpp"
+
+namespace ovq {
+
+// Target dictionary size G(t) after t absorbed tokens, evaluated in double precision.
+struct Growth {
+  enum class Kind { dirichlet, linear };
+  Kind kind = Kind::dirichlet;
+  double alpha = 0.0;  // dirichlet concentration; 0 means "use the capacity N"
+  double rate = 1.0;   // linear: centroids per token
+
+  // G(t) = ceil(N (1 - (1 + t / alpha)^(-alpha / N))): almost one centroid per token early on,
+  // then a plateau at N, like the tables of a Chinese restaurant process.
+  static Growth dirichlet(double alpha = 0.0) { return {Kind::dirichlet, alpha, 1.0}; }
+  // G(t) = ceil(rate t).
+  static Growth linear(double rate = 1.0) { return {Kind::linear, 0.0, rate}; }
+
+  void validate(const char* where) const {
+    if (kind == Kind::dirichlet) {
+      detail::require(std::isfinite(alpha) && alpha >= 0.0, where, "growth alpha = ", alpha,
+                      ", expected a finite value > 0 (or 0 for the capacity)");
+    } else {
+      detail::check_positive_finite(where, "growth rate", rate);
+    }
+  }
+
+  // min(N, G(t)) for capacity N.
+  Index target(std::int64_t t, Index capacity) const {
+    const double n_cap = static_cast<double>(capacity);
+    const double td = static_cast<double>(t);
+    double g;
+    if (kind == Kind::dirichlet) {
+      const double a = alpha > 0.0 ? alpha : n_cap;
+      // 1 - (1 + t/a)^(-a/N), written with expm1/log1p so that it stays exact for small t.
+      g = std::ceil(-n_cap * std::expm1(-(a / n_cap) * std::log1p(td / a)));
+    } else {
+      g = std::ceil(rate * td);
+    }
+    if (!(g < n_cap)) return capacity;
+    return g > 0.0 ? static_cast<Index>(g) : 0;
+  }
+};
+
+// How the m new centroids of a chunk are chosen among its keys.
+struct Seeding {
+  enum class Kind { spread, random };
+  Kind kind = Kind::spread;
+  std::uint64_t seed = 0;
+
+  // Greedy spread-maximising: repeatedly the chunk key least similar to every centroid so far.
+  static Seeding spread() { return {Kind::spread, 0}; }
+  // Distinct chunk rows drawn by a generator seeded with (seed, chunk index).
+  static Seeding random(std::uint64_t seed) { return {Kind::random, seed}; }
+};
+
+// How an assigned centroid moves towards the mean of its new members.
+struct UpdateRate {
+  enum class Kind { adaptive, constant };
+  Kind kind = Kind::adaptive;
+  double eta = 0.0;
+
+  // Running mean, rate cnt / (c + cnt): batch k-means' Newton step.
+  static UpdateRate adaptive() { return {Kind::adaptive, 0.0}; }
+  // D = (1 - eta) D + eta mean(new members).
+  static UpdateRate constant(double eta) { return {Kind::constant, eta}; }
+
+  void validate(const char* where) const {
+    if (kind == Kind::constant) {
+      detail::require(std::isfinite(eta) && eta > 0.0 && eta <= 1.0, where, "update eta = ", eta,
+                      ", expected a value in (0, 1]");
+    }
+  }
+};
+
+namespace detail {
+
+// splitmix64: a small, well-mixed generator; state-free draws keep streaming == chunked.
+inline std::uint64_t splitmix64(std::uint64_t& x) {
+  std::uint64_t z = (x += 0x9e3779b97f4a7c15ULL);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+}  // namespace detail
+}  // namespace ovq
