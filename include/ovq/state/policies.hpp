@@ -39,8 +39,9 @@ struct Growth {
     double g;
     if (kind == Kind::dirichlet) {
       const double a = alpha > 0.0 ? alpha : n_cap;
-      // 1 - (1 + t/a)^(-a/N), written with expm1/log1p so that it stays exact for small t.
-      g = std::ceil(-n_cap * std::expm1(-(a / n_cap) * std::log1p(td / a)));
+      // Literally MATH.md's formula, so that the integers match any reading of it (a
+      // rearranged form can round across an integer where the exact value is one, e.g. N = L).
+      g = std::ceil(n_cap * (1.0 - std::pow(1.0 + td / a, -a / n_cap)));
     } else {
       g = std::ceil(rate * td);
     }
