@@ -81,6 +81,12 @@ class MultiHead {
     return o;
   }
 
+  // Writes K ((B Hkv T) x dk) and V ((B Hkv T) x dv) into every state without reading.
+  void absorb(const ConstMatrixRef<Scalar>& k, const ConstMatrixRef<Scalar>& v) {
+    run("absorb", {nullptr, 0, key_dim(), key_dim()}, rows_view(k), rows_view(v),
+        {nullptr, 0, value_dim(), value_dim()});
+  }
+
   // One token per head: q (B Hq x dk), k (B Hkv x dk), v (B Hkv x dv), o (B Hq x dv).
   void step(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
             const ConstMatrixRef<Scalar>& v, MatrixRef<Scalar> o) {
@@ -126,11 +132,21 @@ class MultiHead {
            ConstRowsView<Scalar> v, RowsView<Scalar> o) {
     const Index dk = key_dim();
     const Index dv = value_dim();
-    const Index group_size = query_heads_ / kv_heads_;
-    detail::check_cols(where, "Q", q.cols, dk, "dk");
-    detail::require(q.rows % (batch_ * query_heads_) == 0, where, "Q has ", q.rows,
-                    " rows, expected a multiple of batch * query heads = ", batch_ * query_heads_);
-    const Index tokens = q.rows / (batch_ * query_heads_);
+    // absorb() passes no queries: the states are written, nothing is read.
+    const bool reads = q.data != nullptr;
+    const Index group_size = reads ? query_heads_ / kv_heads_ : 0;
+    Index tokens = 0;
+    if (reads) {
+      detail::check_cols(where, "Q", q.cols, dk, "dk");
+      detail::require(q.rows % (batch_ * query_heads_) == 0, where, "Q has ", q.rows,
+                      " rows, expected a multiple of batch * query heads = ",
+                      batch_ * query_heads_);
+      tokens = q.rows / (batch_ * query_heads_);
+    } else {
+      detail::require(k.rows % (batch_ * kv_heads_) == 0, where, "K has ", k.rows,
+                      " rows, expected a multiple of batch * kv heads = ", batch_ * kv_heads_);
+      tokens = k.rows / (batch_ * kv_heads_);
+    }
     detail::check_shape(where, "K", k.rows, k.cols, batch_ * kv_heads_ * tokens, dk);
     detail::check_shape(where, "V", v.rows, v.cols, batch_ * kv_heads_ * tokens, dv);
     detail::check_shape(where, "O", o.rows, o.cols, q.rows, dv);
@@ -148,8 +164,12 @@ class MultiHead {
         grp.q.push_back(q.middle_rows(head * tokens, tokens));
         grp.o.push_back(o.middle_rows(head * tokens, tokens));
       }
-      mixer_.check_forward(where, states_[static_cast<std::size_t>(s)], grp.q.data(), group_size,
-                           grp.k, grp.v, grp.o.data());
+      if (reads) {
+        mixer_.check_forward(where, states_[static_cast<std::size_t>(s)], grp.q.data(),
+                             group_size, grp.k, grp.v, grp.o.data());
+      } else {
+        mixer_.check_write(where, states_[static_cast<std::size_t>(s)], grp.k, grp.v);
+      }
     }
 #if defined(OVQ_HAS_OPENMP)
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads_ > 0 ? threads_ : omp_get_max_threads()) if (n_states > 1)

@@ -4,6 +4,7 @@
 //   forward(state, Q, K, V, O)      chunk-parallel, continues from the state
 //   step(state, q, k, v, o)         one token, for decoding; same result as forward
 //   forward_heads(state, ...)       several query heads sharing one key/value state (GQA)
+//   absorb(state, K, V)             write only, no outputs (encoding a long context)
 //
 // A mixer (Derived) provides:
 //   void check_state(const char* where, const State&) const;
@@ -58,6 +59,16 @@ class MixerBase {
     return o;
   }
 
+  // Writes K (T x dk) and V (T x dv) into the state without reading: the cost of encoding a
+  // long context whose outputs nobody needs. The state ends exactly as after forward().
+  void absorb(State& state, const ConstMatrixRef<Scalar>& k,
+              const ConstMatrixRef<Scalar>& v) const {
+    const ConstRowsView<Scalar> kv = rows_view(k);
+    const ConstRowsView<Scalar> vv = rows_view(v);
+    check_write("absorb", state, kv, vv);
+    self().forward_unchecked(state, nullptr, 0, kv, vv, nullptr);
+  }
+
   // `heads` query heads read the same state: q[h] (T x dk) -> o[h] (T x dv); the state is
   // written once with k (T x dk), v (T x dv).
   void forward_heads(State& state, const ConstRowsView<Scalar>* q, Index heads,
@@ -72,19 +83,25 @@ class MixerBase {
   void check_forward(const char* where, const State& state, const ConstRowsView<Scalar>* q,
                      Index heads, ConstRowsView<Scalar> k, ConstRowsView<Scalar> v,
                      const RowsView<Scalar>* o) const {
-    self().check_state(where, state);
+    detail::require(heads >= 1, where, "query heads = ", heads, ", expected >= 1");
+    check_write(where, state, k, v);
     const Index dk = state.key_dim();
     const Index dv = state.value_dim();
-    detail::require(heads >= 1, where, "query heads = ", heads, ", expected >= 1");
-    detail::check_cols(where, "K", k.cols, dk, "the state's dk");
-    detail::check_cols(where, "V", v.cols, dv, "the state's dv");
-    detail::check_rows(where, "V", v.rows, k.rows, "the rows of K");
     for (Index h = 0; h < heads; ++h) {
       detail::check_cols(where, "Q", q[h].cols, dk, "the state's dk");
       detail::check_rows(where, "Q", q[h].rows, k.rows, "the rows of K");
       detail::check_shape(where, "O", o[h].rows, o[h].cols, k.rows, dv);
     }
     for (Index h = 0; h < heads; ++h) detail::check_finite<Scalar>(where, "Q", q[h]);
+  }
+
+  // The checks of what is written into the state: K (T x dk) and V (T x dv), finite.
+  void check_write(const char* where, const State& state, ConstRowsView<Scalar> k,
+                   ConstRowsView<Scalar> v) const {
+    self().check_state(where, state);
+    detail::check_cols(where, "K", k.cols, state.key_dim(), "the state's dk");
+    detail::check_cols(where, "V", v.cols, state.value_dim(), "the state's dv");
+    detail::check_rows(where, "V", v.rows, k.rows, "the rows of K");
     detail::check_finite<Scalar>(where, "K", k);
     detail::check_finite<Scalar>(where, "V", v);
   }

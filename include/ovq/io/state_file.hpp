@@ -1,0 +1,537 @@
+#pragma once
+// Saving and loading mixer states: a versioned, checksummed binary format.
+//
+//   offset  size  field
+//   0       8     magic "OVQSTATE"
+//   8       4     format version (1)
+//   12      4     byte-order tag 0x01020304, as written by the saving machine
+//   16      4     mixer kind (1 self, 2 linear, 3 vq, 4 ovq)
+//   20      4     container (0 one state, 1 multi-head layer)
+//   24      4     scalar size in bytes (4 float, 8 double)
+//   28      8     payload size P
+//   36      P     payload: the mixer options, then (multi-head) batch, Hq, Hkv, then each state
+//   36 + P  4     CRC-32 of bytes [0, 36 + P)
+//
+// Everything is little-endian. Every option a state depends on is stored and must equal the
+// loading mixer's, so a loaded state continues its stream exactly as if never saved. Loading
+// checks each field, each size against the bytes left before allocating, every scalar for
+// finiteness and every state invariant (counts sum to t, n <= N, pending < L, ...), and names
+// the failing check in a FormatError. Saving is atomic (io/file.hpp).
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "ovq/core/error.hpp"
+#include "ovq/io/file.hpp"
+#include "ovq/layers/multi_head.hpp"
+#include "ovq/mixers/linear_attention.hpp"
+#include "ovq/mixers/ovq_attention.hpp"
+#include "ovq/mixers/self_attention.hpp"
+#include "ovq/mixers/vq_attention.hpp"
+
+namespace ovq::io {
+
+inline constexpr std::uint32_t kStateFormatVersion = 1;
+
+namespace state_detail {
+
+inline constexpr char kMagic[8] = {'O', 'V', 'Q', 'S', 'T', 'A', 'T', 'E'};
+inline constexpr std::size_t kHeaderSize = 36;
+inline constexpr std::uint32_t kByteOrderTag = 0x01020304u;
+// No state dimension comes near this; it keeps every size product far from overflow.
+inline constexpr std::int64_t kMaxDim = std::int64_t(1) << 31;
+
+static_assert(std::numeric_limits<float>::is_iec559 && std::numeric_limits<double>::is_iec559,
+              "state files store IEEE-754 scalars");
+
+inline bool host_is_little_endian() {
+  const std::uint32_t probe = 1;
+  unsigned char first;
+  std::memcpy(&first, &probe, 1);
+  return first == 1;
+}
+
+inline std::uint32_t crc32(const unsigned char* data, std::size_t n) {
+  static const std::array<std::uint32_t, 256> table = [] {
+    std::array<std::uint32_t, 256> t{};
+    for (std::uint32_t i = 0; i < 256; ++i) {
+      std::uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = (c & 1u) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+      t[i] = c;
+    }
+    return t;
+  }();
+  std::uint32_t c = 0xFFFFFFFFu;
+  for (std::size_t i = 0; i < n; ++i) c = table[(c ^ data[i]) & 0xFFu] ^ (c >> 8);
+  return c ^ 0xFFFFFFFFu;
+}
+
+class Writer {
+ public:
+  template <class T>
+  void put(T value) {
+    static_assert(std::is_arithmetic_v<T>, "plain values only");
+    unsigned char b[sizeof(T)];
+    std::memcpy(b, &value, sizeof(T));
+    if (!host_is_little_endian()) std::reverse(b, b + sizeof(T));
+    bytes_.insert(bytes_.end(), b, b + sizeof(T));
+  }
+  template <class Scalar>
+  void put_rows(ConstRowsView<Scalar> m) {
+    for (Index i = 0; i < m.rows; ++i)
+      for (Index j = 0; j < m.cols; ++j) put(m.row(i)[j]);
+  }
+  std::vector<unsigned char>& bytes() { return bytes_; }
+
+ private:
+  std::vector<unsigned char> bytes_;
+};
+
+class Reader {
+ public:
+  Reader(const unsigned char* data, std::size_t size) : data_(data), size_(size) {}
+
+  std::size_t remaining() const { return size_ - pos_; }
+
+  template <class T>
+  T get(const char* field) {
+    need(sizeof(T), field);
+    unsigned char b[sizeof(T)];
+    std::memcpy(b, data_ + pos_, sizeof(T));
+    if (!host_is_little_endian()) std::reverse(b, b + sizeof(T));
+    pos_ += sizeof(T);
+    T value;
+    std::memcpy(&value, b, sizeof(T));
+    return value;
+  }
+
+  std::int64_t get_dim(const char* field, std::int64_t min) {
+    const auto v = get<std::int64_t>(field);
+    if (v < min || v > kMaxDim) {
+      throw FormatError(detail::concat("state file: ", field, " = ", v, ", expected a value in [",
+                                       min, ", ", kMaxDim, "]"));
+    }
+    return v;
+  }
+
+  // rows x cols finite scalars; the size is checked against the bytes left before allocating.
+  template <class Scalar>
+  RowMatrix<Scalar> get_rows(std::int64_t rows, std::int64_t cols, const char* field) {
+    need(static_cast<std::size_t>(rows) * static_cast<std::size_t>(cols) * sizeof(Scalar), field);
+    RowMatrix<Scalar> m(rows, cols);
+    for (Index i = 0; i < rows; ++i) {
+      for (Index j = 0; j < cols; ++j) {
+        m(i, j) = get<Scalar>(field);
+        if (!std::isfinite(m(i, j))) {
+          throw FormatError(detail::concat("state file: ", field, "(", i, ", ", j, ") = ",
+                                           m(i, j), ", expected a finite value"));
+        }
+      }
+    }
+    return m;
+  }
+
+  void need(std::size_t n, const char* field) const {
+    if (n > remaining()) {
+      throw FormatError(detail::concat("state file: truncated payload: ", field, " needs ", n,
+                                       " bytes, ", remaining(), " left"));
+    }
+  }
+
+ private:
+  const unsigned char* data_;
+  std::size_t size_;
+  std::size_t pos_ = 0;
+};
+
+[[noreturn]] inline void invalid(const std::string& what) {
+  throw FormatError("state file: " + what);
+}
+
+// Each options struct as a list of named fields: f(name, field) for every one of them. Writing
+// and checking-on-load both walk this list, so they can never disagree.
+template <class F>
+void visit_options(const SelfAttentionOptions& o, F&& f) {
+  f("beta", o.beta);
+  f("causal", o.causal);
+  f("window", o.window);
+  f("chunk", o.chunk);
+}
+template <class F>
+void visit_options(const LinearAttentionOptions& o, F&& f) {
+  f("beta", o.beta);
+  f("feature_map", o.feature_map);
+  f("normalize", o.normalize);
+  f("decay", o.decay);
+  f("eps", o.eps);
+  f("chunk", o.chunk);
+}
+template <class F>
+void visit_options(const VqAttentionOptions& o, F&& f) {
+  f("beta", o.beta);
+  f("chunk", o.chunk);
+}
+template <class F>
+void visit_options(const OvqOptions& o, F&& f) {
+  f("capacity", o.capacity);
+  f("chunk", o.chunk);
+  f("beta", o.beta);
+  f("growth", o.growth.kind);
+  f("growth alpha", o.growth.alpha);
+  f("growth rate", o.growth.rate);
+  f("seeding", o.seeding.kind);
+  f("seed", o.seeding.seed);
+  f("update rate", o.rate.kind);
+  f("eta", o.rate.eta);
+  f("renormalize", o.renormalize);
+}
+
+// Options are stored as fixed-width fields: enums and bools as u32, integers as i64/u64,
+// reals as f64.
+template <class T>
+auto stored(T v) {
+  if constexpr (std::is_enum_v<T> || std::is_same_v<T, bool>) {
+    return static_cast<std::uint32_t>(v);
+  } else if constexpr (std::is_same_v<T, std::uint64_t>) {
+    return v;
+  } else if constexpr (std::is_integral_v<T>) {
+    return static_cast<std::int64_t>(v);
+  } else {
+    return static_cast<double>(v);
+  }
+}
+
+template <class Options>
+void put_options(Writer& w, const Options& options) {
+  visit_options(options, [&](const char*, auto v) { w.put(stored(v)); });
+}
+
+template <class Options>
+void check_options(Reader& r, const Options& expected) {
+  visit_options(expected, [&](const char* name, auto v) {
+    using S = decltype(stored(v));
+    const S got = r.get<S>(name);
+    // Bitwise for reals: the loaded state must continue exactly as the saved one would.
+    if (std::memcmp(&got, &static_cast<const S&>(stored(v)), sizeof(S)) != 0) {
+      invalid(detail::concat("option '", name, "' = ", got, ", expected ", stored(v),
+                             " (the loading mixer's)"));
+    }
+  });
+}
+
+template <class Mixer>
+struct MixerKind;
+template <class S>
+struct MixerKind<SelfAttention<S>> : std::integral_constant<std::uint32_t, 1> {};
+template <class S>
+struct MixerKind<LinearAttention<S>> : std::integral_constant<std::uint32_t, 2> {};
+template <class S>
+struct MixerKind<VqAttention<S>> : std::integral_constant<std::uint32_t, 3> {};
+template <class S>
+struct MixerKind<OvqAttention<S>> : std::integral_constant<std::uint32_t, 4> {};
+
+// ---- one state of each kind ----
+
+template <class S>
+void put_state(Writer& w, const SelfAttention<S>&, const KvCache<S>& s) {
+  w.put<std::int64_t>(s.key_dim());
+  w.put<std::int64_t>(s.value_dim());
+  w.put<std::int64_t>(s.keep_rows());
+  w.put<std::int64_t>(s.tokens());
+  w.put<std::int64_t>(s.size());
+  w.put_rows(s.keys());
+  w.put_rows(s.values());
+}
+
+template <class S>
+KvCache<S> get_state(Reader& r, const SelfAttention<S>& mixer) {
+  const auto dk = r.get_dim("dk", 1);
+  const auto dv = r.get_dim("dv", 1);
+  const auto keep = r.get<std::int64_t>("keep_rows");
+  const auto tokens = r.get<std::int64_t>("tokens");
+  const auto size = r.get_dim("rows", 0);
+  KvCache<S> state = mixer.make_state(dk, dv);
+  if (keep != state.keep_rows())
+    invalid(detail::concat("keep_rows = ", keep, ", expected ", state.keep_rows()));
+  if (tokens < size) invalid(detail::concat("tokens = ", tokens, ", expected >= rows = ", size));
+  if (keep >= 0 && size > keep)
+    invalid(detail::concat("rows = ", size, ", expected <= keep_rows = ", keep));
+  const RowMatrix<S> k = r.get_rows<S>(size, dk, "keys");
+  const RowMatrix<S> v = r.get_rows<S>(size, dv, "values");
+  state.assign(rows_view(k), rows_view(v), tokens);
+  return state;
+}
+
+template <class S>
+void put_state(Writer& w, const LinearAttention<S>&, const LinearState<S>& s) {
+  w.put<std::int64_t>(s.key_dim());
+  w.put<std::int64_t>(s.value_dim());
+  w.put<std::int64_t>(s.tokens());
+  w.put_rows(rows_view(s.kv()));
+  w.put_rows(rows_view(s.k_sum()));
+}
+
+template <class S>
+LinearState<S> get_state(Reader& r, const LinearAttention<S>& mixer) {
+  const auto dk = r.get_dim("dk", 1);
+  const auto dv = r.get_dim("dv", 1);
+  const auto tokens = r.get<std::int64_t>("tokens");
+  if (tokens < 0) invalid(detail::concat("tokens = ", tokens, ", expected >= 0"));
+  r.need(static_cast<std::size_t>(dk) * static_cast<std::size_t>(dv + 1) * sizeof(S), "S and z");
+  LinearState<S> state = mixer.make_state(dk, dv);
+  state.kv() = r.get_rows<S>(dk, dv, "S");
+  state.k_sum() = r.get_rows<S>(1, dk, "z");
+  state.set_tokens(tokens);
+  return state;
+}
+
+template <class S>
+void put_dictionary_rows(Writer& w, const Dictionary<S>& d) {
+  w.put_rows(d.keys());
+  w.put_rows(d.values());
+  for (Index r = 0; r < d.size(); ++r) w.put<std::int64_t>(d.count(r));
+}
+
+template <class S>
+void put_state(Writer& w, const VqAttention<S>&, const VqState<S>& s) {
+  w.put<std::int64_t>(s.codebook_size());
+  w.put<std::int64_t>(s.key_dim());
+  w.put<std::int64_t>(s.value_dim());
+  put_dictionary_rows(w, s.dictionary());
+}
+
+inline std::int64_t get_count(Reader& r) {
+  const auto c = r.get<std::int64_t>("count");
+  if (c < 0) invalid(detail::concat("count = ", c, ", expected >= 0"));
+  return c;
+}
+
+template <class S>
+VqState<S> get_state(Reader& r, const VqAttention<S>& mixer) {
+  const auto codes = r.get_dim("codebook size", 1);
+  const auto dk = r.get_dim("dk", 1);
+  const auto dv = r.get_dim("dv", 1);
+  r.need(static_cast<std::size_t>(codes) * static_cast<std::size_t>(dk + dv), "codebook");
+  const RowMatrix<S> codebook = r.get_rows<S>(codes, dk, "codebook");
+  const RowMatrix<S> values = r.get_rows<S>(codes, dv, "mean values");
+  VqState<S> state = mixer.make_state(codebook, dv);
+  as_eigen(state.dictionary().values()) = values;
+  for (Index c = 0; c < codes; ++c) state.dictionary().set_count(c, get_count(r));
+  return state;
+}
+
+template <class S>
+void put_state(Writer& w, const OvqAttention<S>&, const OvqState<S>& s) {
+  const Dictionary<S>& d = s.dictionary();
+  w.put<std::int64_t>(s.capacity());
+  w.put<std::int64_t>(s.chunk());
+  w.put<std::int64_t>(s.key_dim());
+  w.put<std::int64_t>(s.value_dim());
+  w.put<std::int64_t>(d.size());
+  w.put<std::int64_t>(s.absorbed());
+  w.put<std::int64_t>(s.pending());
+  put_dictionary_rows(w, d);
+  w.put_rows(s.pending_keys());
+  w.put_rows(s.pending_values());
+}
+
+template <class S>
+OvqState<S> get_state(Reader& r, const OvqAttention<S>& mixer) {
+  const auto capacity = r.get_dim("capacity", 1);
+  const auto chunk = r.get_dim("chunk", 1);
+  const auto dk = r.get_dim("dk", 1);
+  const auto dv = r.get_dim("dv", 1);
+  const auto n = r.get_dim("n", 0);
+  const auto t = r.get<std::int64_t>("t");
+  const auto pending = r.get_dim("pending", 0);
+  const OvqOptions& opt = mixer.options();
+  if (capacity != opt.capacity || chunk != opt.chunk)
+    invalid(detail::concat("(capacity, chunk) = (", capacity, ", ", chunk, "), expected (",
+                           opt.capacity, ", ", opt.chunk, ")"));
+  if (n > capacity) invalid(detail::concat("n = ", n, ", expected <= capacity = ", capacity));
+  if (pending >= chunk)
+    invalid(detail::concat("pending = ", pending, ", expected < chunk = ", chunk));
+  if (t < 0 || t % chunk != 0)
+    invalid(detail::concat("t = ", t, ", expected a multiple of the chunk ", chunk, " >= 0"));
+  if ((t == 0) != (n == 0))
+    invalid(detail::concat("n = ", n, " with t = ", t, ", expected n = 0 exactly when t = 0"));
+  r.need(static_cast<std::size_t>(n) * static_cast<std::size_t>(dk + dv) * sizeof(S), "dictionary");
+  const RowMatrix<S> keys = r.get_rows<S>(n, dk, "D_k");
+  const RowMatrix<S> values = r.get_rows<S>(n, dv, "D_v");
+  OvqState<S> state = mixer.make_state(dk, dv);
+  std::int64_t total = 0;
+  for (Index i = 0; i < n; ++i) {
+    const std::int64_t c = get_count(r);
+    if (c > t - total) invalid(detail::concat("counts sum past t = ", t));
+    total += c;
+    state.dictionary().push(keys.row(i).data(), values.row(i).data(), c);
+  }
+  if (total != t) invalid(detail::concat("counts sum to ", total, ", expected t = ", t));
+  const RowMatrix<S> pk = r.get_rows<S>(pending, dk, "pending keys");
+  const RowMatrix<S> pv = r.get_rows<S>(pending, dv, "pending values");
+  state.restore(t, rows_view(pk), rows_view(pv));
+  return state;
+}
+
+// ---- framing ----
+
+inline void put_header(Writer& w, std::uint32_t kind, std::uint32_t container,
+                       std::uint32_t scalar_size) {
+  for (char c : kMagic) w.put(static_cast<unsigned char>(c));
+  w.put(kStateFormatVersion);
+  w.put(kByteOrderTag);
+  w.put(kind);
+  w.put(container);
+  w.put(scalar_size);
+  w.put<std::uint64_t>(0);  // payload size, patched by finish()
+}
+
+inline std::vector<unsigned char> finish(Writer& w) {
+  std::vector<unsigned char>& b = w.bytes();
+  const std::uint64_t payload = b.size() - kHeaderSize;
+  Writer size_field;
+  size_field.put(payload);
+  std::copy(size_field.bytes().begin(), size_field.bytes().end(), b.begin() + 28);
+  w.put(crc32(b.data(), b.size()));
+  return b;
+}
+
+// Checks the frame and returns a reader over the payload.
+inline Reader open_frame(const unsigned char* data, std::size_t size, std::uint32_t kind,
+                         std::uint32_t container, std::uint32_t scalar_size) {
+  if (data == nullptr && size != 0) invalid("no data");
+  if (size < kHeaderSize + 4)
+    invalid(detail::concat("truncated: ", size, " bytes, expected at least ", kHeaderSize + 4));
+  if (std::memcmp(data, kMagic, sizeof kMagic) != 0) invalid("bad magic, expected \"OVQSTATE\"");
+  Reader h(data + sizeof kMagic, kHeaderSize - sizeof kMagic);
+  const auto version = h.get<std::uint32_t>("version");
+  if (version != kStateFormatVersion)
+    invalid(detail::concat("format version ", version, ", expected ", kStateFormatVersion));
+  const auto order = h.get<std::uint32_t>("byte order");
+  if (order != kByteOrderTag) invalid("byte order: written big-endian, expected little-endian");
+  const auto got_kind = h.get<std::uint32_t>("kind");
+  if (got_kind != kind)
+    invalid(detail::concat("mixer kind ", got_kind, ", expected ", kind,
+                           " (1 self, 2 linear, 3 vq, 4 ovq)"));
+  const auto got_container = h.get<std::uint32_t>("container");
+  if (got_container != container)
+    invalid(detail::concat("container ", got_container, ", expected ", container,
+                           " (0 one state, 1 multi-head layer)"));
+  const auto got_scalar = h.get<std::uint32_t>("scalar size");
+  if (got_scalar != scalar_size)
+    invalid(detail::concat("scalar type of ", got_scalar, " bytes, expected ", scalar_size,
+                           " (4 float, 8 double)"));
+  const auto payload = h.get<std::uint64_t>("payload size");
+  if (payload != size - kHeaderSize - 4)
+    invalid(detail::concat("payload size ", payload, ", expected ", size - kHeaderSize - 4,
+                           " (truncated or extended file)"));
+  Reader tail(data + size - 4, 4);
+  if (tail.get<std::uint32_t>("checksum") != crc32(data, size - 4))
+    invalid("checksum mismatch: the file is corrupted");
+  return Reader(data + kHeaderSize, static_cast<std::size_t>(payload));
+}
+
+inline void expect_end(const Reader& r) {
+  if (r.remaining() != 0)
+    invalid(detail::concat(r.remaining(), " unexpected bytes after the last state"));
+}
+
+}  // namespace state_detail
+
+// ---- one state ----
+
+template <class Mixer>
+std::vector<unsigned char> encode_state(const Mixer& mixer, const typename Mixer::State& state) {
+  using namespace state_detail;
+  using S = typename Mixer::scalar_type;
+  mixer.check_state("encode_state", state);
+  Writer w;
+  put_header(w, MixerKind<Mixer>::value, 0, sizeof(S));
+  put_options(w, mixer.options());
+  put_state(w, mixer, state);
+  return finish(w);
+}
+
+template <class Mixer>
+typename Mixer::State decode_state(const Mixer& mixer, const unsigned char* data, std::size_t size) {
+  using namespace state_detail;
+  using S = typename Mixer::scalar_type;
+  Reader r = open_frame(data, size, MixerKind<Mixer>::value, 0, sizeof(S));
+  check_options(r, mixer.options());
+  typename Mixer::State state = get_state(r, mixer);
+  expect_end(r);
+  return state;
+}
+
+template <class Mixer>
+void save_state(const std::string& path, const Mixer& mixer, const typename Mixer::State& state) {
+  write_file_atomic(path, encode_state(mixer, state), "save_state");
+}
+
+template <class Mixer>
+typename Mixer::State load_state(const std::string& path, const Mixer& mixer) {
+  const std::vector<unsigned char> bytes = read_file(path, "load_state");
+  return decode_state(mixer, bytes.data(), bytes.size());
+}
+
+// ---- a multi-head layer: every (batch, key/value head) state ----
+
+template <class Mixer>
+std::vector<unsigned char> encode_state(const MultiHead<Mixer>& layer) {
+  using namespace state_detail;
+  using S = typename Mixer::scalar_type;
+  Writer w;
+  put_header(w, MixerKind<Mixer>::value, 1, sizeof(S));
+  put_options(w, layer.mixer().options());
+  w.put<std::int64_t>(layer.batch());
+  w.put<std::int64_t>(layer.query_heads());
+  w.put<std::int64_t>(layer.kv_heads());
+  for (const auto& s : layer.states()) put_state(w, layer.mixer(), s);
+  return finish(w);
+}
+
+// Replaces the layer's states; the layer is unchanged if anything fails.
+template <class Mixer>
+void decode_state(MultiHead<Mixer>& layer, const unsigned char* data, std::size_t size) {
+  using namespace state_detail;
+  using S = typename Mixer::scalar_type;
+  Reader r = open_frame(data, size, MixerKind<Mixer>::value, 1, sizeof(S));
+  check_options(r, layer.mixer().options());
+  const auto batch = r.get<std::int64_t>("batch");
+  const auto hq = r.get<std::int64_t>("query heads");
+  const auto hkv = r.get<std::int64_t>("kv heads");
+  if (batch != layer.batch() || hq != layer.query_heads() || hkv != layer.kv_heads())
+    invalid(detail::concat("(batch, query heads, kv heads) = (", batch, ", ", hq, ", ", hkv,
+                           "), expected (", layer.batch(), ", ", layer.query_heads(), ", ",
+                           layer.kv_heads(), ")"));
+  std::vector<typename Mixer::State> states;
+  for (std::size_t i = 0; i < layer.states().size(); ++i) {
+    states.push_back(get_state(r, layer.mixer()));
+    if (states.back().key_dim() != layer.key_dim() ||
+        states.back().value_dim() != layer.value_dim())
+      invalid(detail::concat("state ", i, " has (dk, dv) = (", states.back().key_dim(), ", ",
+                             states.back().value_dim(), "), expected (", layer.key_dim(), ", ",
+                             layer.value_dim(), ")"));
+  }
+  expect_end(r);
+  layer.states().swap(states);
+}
+
+template <class Mixer>
+void save_state(const std::string& path, const MultiHead<Mixer>& layer) {
+  write_file_atomic(path, encode_state(layer), "save_state");
+}
+
+template <class Mixer>
+void load_state(const std::string& path, MultiHead<Mixer>& layer) {
+  const std::vector<unsigned char> bytes = read_file(path, "load_state");
+  decode_state(layer, bytes.data(), bytes.size());
+}
+
+}  // namespace ovq::io
