@@ -227,19 +227,19 @@ void check_options(Reader& r, const Options& expected) {
 
 template <class Mixer>
 struct MixerKind;
-template <class S>
-struct MixerKind<SelfAttention<S>> : std::integral_constant<std::uint32_t, 1> {};
-template <class S>
-struct MixerKind<LinearAttention<S>> : std::integral_constant<std::uint32_t, 2> {};
-template <class S>
-struct MixerKind<VqAttention<S>> : std::integral_constant<std::uint32_t, 3> {};
-template <class S>
-struct MixerKind<OvqAttention<S>> : std::integral_constant<std::uint32_t, 4> {};
+template <class S, class A>
+struct MixerKind<SelfAttention<S, A>> : std::integral_constant<std::uint32_t, 1> {};
+template <class S, class A>
+struct MixerKind<LinearAttention<S, A>> : std::integral_constant<std::uint32_t, 2> {};
+template <class S, class A>
+struct MixerKind<VqAttention<S, A>> : std::integral_constant<std::uint32_t, 3> {};
+template <class S, class A>
+struct MixerKind<OvqAttention<S, A>> : std::integral_constant<std::uint32_t, 4> {};
 
 // ---- one state of each kind ----
 
-template <class S>
-void put_state(Writer& w, const SelfAttention<S>&, const KvCache<S>& s) {
+template <class S, class A>
+void put_state(Writer& w, const SelfAttention<S, A>&, const KvCache<S>& s) {
   w.put<std::int64_t>(s.key_dim());
   w.put<std::int64_t>(s.value_dim());
   w.put<std::int64_t>(s.keep_rows());
@@ -249,8 +249,8 @@ void put_state(Writer& w, const SelfAttention<S>&, const KvCache<S>& s) {
   w.put_rows(s.values());
 }
 
-template <class S>
-KvCache<S> get_state(Reader& r, const SelfAttention<S>& mixer) {
+template <class S, class A>
+KvCache<S> get_state(Reader& r, const SelfAttention<S, A>& mixer) {
   const auto dk = r.get_dim("dk", 1);
   const auto dv = r.get_dim("dv", 1);
   const auto keep = r.get<std::int64_t>("keep_rows");
@@ -268,8 +268,8 @@ KvCache<S> get_state(Reader& r, const SelfAttention<S>& mixer) {
   return state;
 }
 
-template <class S>
-void put_state(Writer& w, const LinearAttention<S>&, const LinearState<S>& s) {
+template <class S, class A>
+void put_state(Writer& w, const LinearAttention<S, A>&, const LinearState<S>& s) {
   w.put<std::int64_t>(s.key_dim());
   w.put<std::int64_t>(s.value_dim());
   w.put<std::int64_t>(s.tokens());
@@ -277,8 +277,8 @@ void put_state(Writer& w, const LinearAttention<S>&, const LinearState<S>& s) {
   w.put_rows(rows_view(s.k_sum()));
 }
 
-template <class S>
-LinearState<S> get_state(Reader& r, const LinearAttention<S>& mixer) {
+template <class S, class A>
+LinearState<S> get_state(Reader& r, const LinearAttention<S, A>& mixer) {
   const auto dk = r.get_dim("dk", 1);
   const auto dv = r.get_dim("dv", 1);
   const auto tokens = r.get<std::int64_t>("tokens");
@@ -298,8 +298,8 @@ void put_dictionary_rows(Writer& w, const Dictionary<S>& d) {
   for (Index r = 0; r < d.size(); ++r) w.put<std::int64_t>(d.count(r));
 }
 
-template <class S>
-void put_state(Writer& w, const VqAttention<S>&, const VqState<S>& s) {
+template <class S, class A>
+void put_state(Writer& w, const VqAttention<S, A>&, const VqState<S>& s) {
   w.put<std::int64_t>(s.codebook_size());
   w.put<std::int64_t>(s.key_dim());
   w.put<std::int64_t>(s.value_dim());
@@ -312,8 +312,8 @@ inline std::int64_t get_count(Reader& r) {
   return c;
 }
 
-template <class S>
-VqState<S> get_state(Reader& r, const VqAttention<S>& mixer) {
+template <class S, class A>
+VqState<S> get_state(Reader& r, const VqAttention<S, A>& mixer) {
   const auto codes = r.get_dim("codebook size", 1);
   const auto dk = r.get_dim("dk", 1);
   const auto dv = r.get_dim("dv", 1);
@@ -326,8 +326,8 @@ VqState<S> get_state(Reader& r, const VqAttention<S>& mixer) {
   return state;
 }
 
-template <class S>
-void put_state(Writer& w, const OvqAttention<S>&, const OvqState<S>& s) {
+template <class S, class A>
+void put_state(Writer& w, const OvqAttention<S, A>&, const OvqState<S>& s) {
   const Dictionary<S>& d = s.dictionary();
   w.put<std::int64_t>(s.capacity());
   w.put<std::int64_t>(s.chunk());
@@ -341,8 +341,8 @@ void put_state(Writer& w, const OvqAttention<S>&, const OvqState<S>& s) {
   w.put_rows(s.pending_values());
 }
 
-template <class S>
-OvqState<S> get_state(Reader& r, const OvqAttention<S>& mixer) {
+template <class S, class A>
+OvqState<S> get_state(Reader& r, const OvqAttention<S, A>& mixer) {
   const auto capacity = r.get_dim("capacity", 1);
   const auto chunk = r.get_dim("chunk", 1);
   const auto dk = r.get_dim("dk", 1);

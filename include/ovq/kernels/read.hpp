@@ -14,9 +14,13 @@
 // position. Window W (causal only): it sees rows at positions > its position - W, memory included.
 // A bias of -inf removes a memory row.
 //
-// Shapes: q (Tq x dk), Km (Nm x dk), Vm (Nm x dv), bias (Nm), Kl (Nl x dk), Vl (Nl x dv),
-// o (Tq x dv). Cost: 2 Tq (Nm' + Nl') (dk + dv) flops, Nm' and Nl' the visible rows, and
-// O(tile (dk + dv)) extra memory.
+// Grouped queries: `heads` query heads that read the same memory are stacked into one tile
+// (row (i, h) at position i), so every key/value tile is loaded once for the whole group.
+//
+// Shapes: q[h] (Tq x dk), Km (Nm x dk), Vm (Nm x dv), bias (Nm), Kl (Nl x dk), Vl (Nl x dv),
+// o[h] (Tq x dv). Cost: 2 heads Tq (Nm' + Nl') (dk + dv) flops, Nm' and Nl' the visible rows
+// (the causal half only: tiles no query of a tile sees are skipped), plus O((Nm + Nl) dk) to pack
+// the keys when there are enough queries to reuse them.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -24,6 +28,7 @@
 
 #include "ovq/core/online_softmax.hpp"
 #include "ovq/core/types.hpp"
+#include "ovq/kernels/arch/tile_ops.hpp"
 
 namespace ovq::kernels {
 
@@ -46,118 +51,201 @@ struct ReadMask {
   Index window = 0;        // 0: unbounded
 };
 
-namespace detail {
+namespace read_detail {
 
-inline constexpr Index kReadQueryTile = 32;
-inline constexpr Index kReadKeyTile = 128;
+// Stacked query rows per tile: 64 rows of scores (16 KiB in float) and of the output
+// accumulator stay in L1/L2 while the key tiles stream past.
+inline constexpr Index kStackedRows = 64;
+// Below this many stacked query rows, packing K^T would cost as much as the reads it serves.
+inline constexpr Index kPackMinRows = 8;
 
-template <class Scalar>
-struct ReadTileBuffers {
-  RowMatrix<Scalar> scores;  // query tile x key tile
-  RowMatrix<Scalar> acc;     // query tile x dv, unnormalised output
-  std::vector<SoftmaxStats<Scalar>> stats;
-
-  ReadTileBuffers(Index dv)
-      : scores(kReadQueryTile, kReadKeyTile), acc(kReadQueryTile, dv), stats(kReadQueryTile) {}
-};
-
-// Folds key rows [k0, k0 + bk) of (keys, values, bias) into the tile state of queries
-// [q0, q0 + bq). Row i sees key r iff first_visible(i) <= r <= last_visible(i).
-template <class Scalar, class First, class Last>
-void fold_key_tile(ConstRowsView<Scalar> q, Index q0, Index bq, ConstRowsView<Scalar> keys,
-                   ConstRowsView<Scalar> values, const Scalar* bias, Index k0, Index bk,
-                   Scalar beta, First first_visible, Last last_visible,
-                   ReadTileBuffers<Scalar>& buf) {
-  constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
-  auto s = buf.scores.topLeftCorner(bq, bk);
-  s.noalias() = beta * (as_eigen(q.middle_rows(q0, bq)) *
-                        as_eigen(keys.middle_rows(k0, bk)).transpose());
-  for (Index i = 0; i < bq; ++i) {
-    Scalar* row = &s(i, 0);
-    const Index lo = std::max<Index>(first_visible(q0 + i) - k0, 0);
-    const Index hi = std::min<Index>(last_visible(q0 + i) - k0, bk - 1);
-    for (Index j = 0; j < std::min(lo, bk); ++j) row[j] = kNegInf;
-    for (Index j = std::max<Index>(hi + 1, 0); j < bk; ++j) row[j] = kNegInf;
-    if (bias != nullptr) {
-      for (Index j = lo; j <= hi; ++j) row[j] += bias[k0 + j];
-    }
-    Scalar tile_max = kNegInf;
-    for (Index j = 0; j < bk; ++j) tile_max = std::max(tile_max, row[j]);
-    SoftmaxStats<Scalar>& st = buf.stats[i];
-    const Scalar m_new = std::max(st.m, tile_max);
-    if (m_new == kNegInf) {  // nothing visible yet: this tile adds nothing to row i
-      for (Index j = 0; j < bk; ++j) row[j] = Scalar(0);
-      continue;
-    }
-    const Scalar rescale = std::exp(st.m - m_new);
-    Scalar sum = Scalar(0);
+// K (n x d) -> panels of kTile keys, each d x kTile (key index fastest), zero-padded.
+template <class Scalar, Index kTile>
+void pack_key_panels(ConstRowsView<Scalar> keys, std::vector<Scalar>& panels) {
+  const Index tiles = (keys.rows + kTile - 1) / kTile;
+  const Index d = keys.cols;
+  panels.assign(static_cast<std::size_t>(tiles * d * kTile), Scalar(0));
+  for (Index t = 0; t < tiles; ++t) {
+    Scalar* panel = panels.data() + t * d * kTile;
+    const Index bk = std::min(kTile, keys.rows - t * kTile);
     for (Index j = 0; j < bk; ++j) {
-      row[j] = std::exp(row[j] - m_new);
-      sum += row[j];
+      const Scalar* row = keys.row(t * kTile + j);
+      for (Index k = 0; k < d; ++k) panel[k * kTile + j] = row[k];
     }
-    st.l = st.l * rescale + sum;
-    st.m = m_new;
-    buf.acc.row(i) *= rescale;
   }
-  buf.acc.topRows(bq).noalias() += s * as_eigen(values.middle_rows(k0, bk));
 }
 
-}  // namespace detail
-
-// See the header comment for the contract.
+// A block of keys with its values, bias and visible range per query position.
 template <class Scalar>
-void read(ConstRowsView<Scalar> q, const MemoryRows<Scalar>& memory, const LocalRows<Scalar>& local,
-          const ReadMask& mask, Scalar beta, RowsView<Scalar> o) {
-  using detail::kReadKeyTile;
-  using detail::kReadQueryTile;
-  const Index n_queries = q.rows;
+struct KeyBlock {
+  ConstRowsView<Scalar> keys, values;
+  const Scalar* bias;
+  const Scalar* panels;  // packed keys, or nullptr
+  Index first_offset;    // first visible row of position p is p + first_offset (window), or 0
+  bool windowed;
+  Index last_offset;     // last visible row of position p is p + last_offset (causal), or n - 1
+  bool causal;
+
+  Index first(Index p) const { return windowed ? std::max<Index>(p + first_offset, 0) : 0; }
+  Index last(Index p) const {
+    return causal ? std::min<Index>(p + last_offset, keys.rows - 1) : keys.rows - 1;
+  }
+};
+
+// Per-thread tile state.
+template <class Scalar>
+struct TileBuffers {
+  std::vector<Scalar> q, scores, acc;
+  std::vector<SoftmaxStats<Scalar>> stats;
+
+  TileBuffers(Index rows, Index dk, Index dv, Index key_tile)
+      : q(static_cast<std::size_t>(rows * dk)),
+        scores(static_cast<std::size_t>(rows * key_tile)),
+        acc(static_cast<std::size_t>(rows * dv)),
+        stats(static_cast<std::size_t>(rows)) {}
+
+  void clear_state(Index rows, Index dv) {
+    std::fill(acc.begin(), acc.begin() + rows * dv, Scalar(0));
+    std::fill(stats.begin(), stats.begin() + rows, SoftmaxStats<Scalar>{});
+  }
+};
+
+// Folds key rows [k0, k0 + bk) of `block` into the tile of stacked rows [0, bq); stacked row r
+// is at position p0 + r / heads. Cost: 2 bq bk (dk + dv) flops + bq bk exps.
+template <class Scalar, class Ops>
+void fold_key_tile(const KeyBlock<Scalar>& block, Index k0, Index p0, Index heads, Index bq,
+                   Index dk, Index dv, Scalar beta, TileBuffers<Scalar>& buf) {
+  constexpr Index kTile = Ops::kKeyTile;
+  constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
+  const Index bk = std::min(kTile, block.keys.rows - k0);
+  Scalar* s = buf.scores.data();
+  if (block.panels != nullptr) {
+    Ops::scores_packed(buf.q.data(), dk, bq, block.panels + (k0 / kTile) * dk * kTile, dk, beta,
+                       s);
+  } else {
+    Ops::scores_rows(buf.q.data(), dk, bq, block.keys.row(k0), block.keys.stride, bk, dk, beta,
+                     s);
+  }
+  for (Index r = 0; r < bq; ++r) {
+    Scalar* row = s + r * kTile;
+    const Index p = p0 + r / heads;
+    const Index lo = std::clamp<Index>(block.first(p) - k0, 0, bk);
+    const Index hi = std::clamp<Index>(block.last(p) - k0 + 1, lo, bk);  // exclusive
+    std::fill(row, row + lo, kNegInf);
+    std::fill(row + hi, row + bk, kNegInf);
+    if (block.bias != nullptr)
+      for (Index j = lo; j < hi; ++j) row[j] += block.bias[k0 + j];
+    Scalar tile_max = kNegInf;
+    for (Index j = lo; j < hi; ++j) tile_max = std::max(tile_max, row[j]);
+    SoftmaxStats<Scalar>& st = buf.stats[static_cast<std::size_t>(r)];
+    const Scalar m_new = std::max(st.m, tile_max);
+    if (m_new == kNegInf) {  // nothing visible so far: this tile adds nothing to row r
+      std::fill(row, row + bk, Scalar(0));
+      continue;
+    }
+    const Scalar sum = Ops::exp_sum(row, bk, m_new);
+    if (st.m != m_new) {
+      const Scalar rescale = std::exp(st.m - m_new);
+      Scalar* acc = buf.acc.data() + r * dv;
+      for (Index c = 0; c < dv; ++c) acc[c] *= rescale;
+      st.l *= rescale;
+    }
+    st.l += sum;
+    st.m = m_new;
+  }
+  Ops::accumulate(s, bq, bk, block.values.row(k0), block.values.stride, dv, buf.acc.data(), dv);
+}
+
+}  // namespace read_detail
+
+// See the header comment for the contract. q and o hold `heads` views each.
+template <class Scalar, class Arch = arch::native>
+void read(const ConstRowsView<Scalar>* q, Index heads, const MemoryRows<Scalar>& memory,
+          const LocalRows<Scalar>& local, const ReadMask& mask, Scalar beta,
+          const RowsView<Scalar>* o) {
+  using namespace read_detail;
+  using Ops = TileOps<Scalar, Arch>;
+  constexpr Index kTile = Ops::kKeyTile;
+  if (heads <= 0) return;
+  const Index n_pos = q[0].rows;
+  const Index dk = q[0].cols;
+  const Index dv = o[0].cols;
   const Index n_memory = memory.keys.rows;
   const Index n_local = local.keys.rows;
-  const Index dv = o.cols;
   const Index window = mask.causal ? mask.window : 0;
-  detail::ReadTileBuffers<Scalar> buf(dv);
+  if (n_pos == 0) return;
 
-  // Visible ranges, in each block's own row numbering (inclusive bounds).
-  auto memory_first = [&](Index i) -> Index {
-    return window > 0 ? n_memory + mask.query_offset + i - window + 1 : 0;
-  };
-  auto memory_last = [&](Index) -> Index { return n_memory - 1; };
-  auto local_first = [&](Index i) -> Index {
-    return window > 0 ? mask.query_offset + i - window + 1 : 0;
-  };
-  auto local_last = [&](Index i) -> Index {
-    return mask.causal ? mask.query_offset + i : n_local - 1;
-  };
+  // Key blocks in position terms: memory row r is at r - Nm, local row j at j, query i at
+  // query_offset + i; "p" below is the query's local position.
+  KeyBlock<Scalar> mem{memory.keys, memory.values, memory.bias, nullptr,
+                       n_memory - window + 1, window > 0, 0, false};
+  KeyBlock<Scalar> loc{local.keys, local.values, nullptr, nullptr,
+                       -window + 1, window > 0, 0, mask.causal};
 
-  for (Index q0 = 0; q0 < n_queries; q0 += kReadQueryTile) {
-    const Index bq = std::min(kReadQueryTile, n_queries - q0);
-    buf.acc.topRows(bq).setZero();
-    std::fill(buf.stats.begin(), buf.stats.end(), SoftmaxStats<Scalar>{});
-
-    // Rows that no query of the tile sees are skipped whole: that is where causal and windowed
-    // reads save their masked part.
-    const Index mem_begin = std::max<Index>(memory_first(q0), 0);
-    for (Index k0 = mem_begin; k0 < n_memory; k0 += kReadKeyTile) {
-      detail::fold_key_tile(q, q0, bq, memory.keys, memory.values, memory.bias, k0,
-                            std::min(kReadKeyTile, n_memory - k0), beta, memory_first,
-                            memory_last, buf);
-    }
-    const Index loc_begin = std::max<Index>(local_first(q0), 0);
-    const Index loc_end = std::min<Index>(local_last(q0 + bq - 1) + 1, n_local);
-    for (Index k0 = loc_begin; k0 < loc_end; k0 += kReadKeyTile) {
-      detail::fold_key_tile(q, q0, bq, local.keys, local.values,
-                            static_cast<const Scalar*>(nullptr), k0,
-                            std::min(kReadKeyTile, loc_end - k0), beta, local_first, local_last,
-                            buf);
-    }
-
-    for (Index i = 0; i < bq; ++i) {
-      Scalar* out = o.row(q0 + i);
-      const SoftmaxStats<Scalar>& st = buf.stats[i];
-      const Scalar inv = st.empty() ? Scalar(0) : Scalar(1) / st.l;
-      for (Index d = 0; d < dv; ++d) out[d] = buf.acc(i, d) * inv;
-    }
+  const Index positions_per_tile = std::max<Index>(1, kStackedRows / heads);
+  const Index stacked = n_pos * heads;
+  const Index last_position = mask.query_offset + n_pos - 1;
+  const Index local_used = mask.causal ? std::min(n_local, last_position + 1) : n_local;
+  thread_local std::vector<Scalar> mem_panels, loc_panels;
+  if (stacked >= kPackMinRows) {
+    pack_key_panels<Scalar, kTile>(memory.keys, mem_panels);
+    pack_key_panels<Scalar, kTile>(local.keys.middle_rows(0, local_used), loc_panels);
+    mem.panels = mem_panels.data();
+    loc.panels = loc_panels.data();
   }
+
+  const Index n_tiles = (n_pos + positions_per_tile - 1) / positions_per_tile;
+  auto run_tile = [&](Index tile, TileBuffers<Scalar>& buf) {
+    const Index i0 = tile * positions_per_tile;
+    const Index np = std::min(positions_per_tile, n_pos - i0);
+    const Index bq = np * heads;
+    const Index p0 = mask.query_offset + i0;
+    for (Index i = 0; i < np; ++i)
+      for (Index h = 0; h < heads; ++h)
+        std::copy(q[h].row(i0 + i), q[h].row(i0 + i) + dk,
+                  buf.q.data() + (i * heads + h) * dk);
+    buf.clear_state(bq, dv);
+    // Tiles no row of this tile sees are skipped whole: the masked half of causal reads.
+    const Index mem_begin = (mem.first(p0) / kTile) * kTile;
+    for (Index k0 = mem_begin; k0 < n_memory; k0 += kTile)
+      fold_key_tile<Scalar, Ops>(mem, k0, p0, heads, bq, dk, dv, beta, buf);
+    const Index loc_begin = (loc.first(p0) / kTile) * kTile;
+    const Index loc_end = loc.last(p0 + np - 1) + 1;
+    for (Index k0 = loc_begin; k0 < loc_end; k0 += kTile)
+      fold_key_tile<Scalar, Ops>(loc, k0, p0, heads, bq, dk, dv, beta, buf);
+    for (Index i = 0; i < np; ++i) {
+      for (Index h = 0; h < heads; ++h) {
+        const Index r = i * heads + h;
+        const SoftmaxStats<Scalar>& st = buf.stats[static_cast<std::size_t>(r)];
+        const Scalar inv = st.empty() ? Scalar(0) : Scalar(1) / st.l;
+        const Scalar* acc = buf.acc.data() + r * dv;
+        Scalar* out = o[h].row(i0 + i);
+        for (Index c = 0; c < dv; ++c) out[c] = acc[c] * inv;
+      }
+    }
+  };
+
+  const Index tile_rows = positions_per_tile * heads;
+#if defined(OVQ_HAS_OPENMP)
+  if (n_tiles > 1 && !omp_in_parallel() && omp_get_max_threads() > 1) {
+#pragma omp parallel
+    {
+      TileBuffers<Scalar> buf(tile_rows, dk, dv, kTile);
+#pragma omp for schedule(dynamic, 1)
+      for (Index t = 0; t < n_tiles; ++t) run_tile(t, buf);
+    }
+    return;
+  }
+#endif
+  TileBuffers<Scalar> buf(tile_rows, dk, dv, kTile);
+  for (Index t = 0; t < n_tiles; ++t) run_tile(t, buf);
+}
+
+// One query head.
+template <class Scalar, class Arch = arch::native>
+void read(ConstRowsView<Scalar> q, const MemoryRows<Scalar>& memory, const LocalRows<Scalar>& local,
+          const ReadMask& mask, Scalar beta, RowsView<Scalar> o) {
+  read<Scalar, Arch>(&q, 1, memory, local, mask, beta, &o);
 }
 
 }  // namespace ovq::kernels

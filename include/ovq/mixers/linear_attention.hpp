@@ -36,10 +36,11 @@ struct LinearAttentionOptions {
   }
 };
 
-template <class Scalar>
+template <class Scalar, class Arch = arch::native>
 class LinearAttention
-    : public MixerBase<LinearAttention<Scalar>, Scalar, LinearState<Scalar>> {
+    : public MixerBase<LinearAttention<Scalar, Arch>, Scalar, LinearState<Scalar>> {
  public:
+  using arch_type = Arch;
   using State = LinearState<Scalar>;
   using Options = LinearAttentionOptions;
 

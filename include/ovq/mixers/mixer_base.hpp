@@ -16,8 +16,22 @@
 
 #include "ovq/core/checks.hpp"
 #include "ovq/core/types.hpp"
+#include "ovq/kernels/arch/arch.hpp"
 
 namespace ovq {
+
+namespace detail {
+
+// Rows [first, first + count) of each of `heads` views.
+template <class View>
+std::vector<View> slice_heads(const View* views, Index heads, Index first, Index count) {
+  std::vector<View> out;
+  out.reserve(static_cast<std::size_t>(heads));
+  for (Index h = 0; h < heads; ++h) out.push_back(views[h].middle_rows(first, count));
+  return out;
+}
+
+}  // namespace detail
 
 template <class Derived, class Scalar, class StateT>
 class MixerBase {

@@ -36,9 +36,10 @@ struct OvqOptions {
   }
 };
 
-template <class Scalar>
-class OvqAttention : public MixerBase<OvqAttention<Scalar>, Scalar, OvqState<Scalar>> {
+template <class Scalar, class Arch = arch::native>
+class OvqAttention : public MixerBase<OvqAttention<Scalar, Arch>, Scalar, OvqState<Scalar>> {
  public:
+  using arch_type = Arch;
   using State = OvqState<Scalar>;
   using Options = OvqOptions;
 
@@ -74,10 +75,9 @@ class OvqAttention : public MixerBase<OvqAttention<Scalar>, Scalar, OvqState<Sca
       const kernels::MemoryRows<Scalar> memory{dict.keys(), dict.values(), dict.log_counts()};
       const kernels::LocalRows<Scalar> local{state.pending_keys(), state.pending_values()};
       const kernels::ReadMask mask{true, offset, 0};
-      for (Index h = 0; h < heads; ++h) {
-        kernels::read<Scalar>(q[h].middle_rows(pos, len), memory, local, mask, beta,
-                              o[h].middle_rows(pos, len));
-      }
+      kernels::read<Scalar, Arch>(detail::slice_heads(q, heads, pos, len).data(), heads, memory,
+                                  local, mask, beta,
+                                  detail::slice_heads(o, heads, pos, len).data());
 
       if (state.pending() == chunk) {
         kernels::ovq_write_chunk(state.dictionary(), state.absorbed(), state.pending_keys(),

@@ -33,9 +33,10 @@ struct SelfAttentionOptions {
   }
 };
 
-template <class Scalar>
-class SelfAttention : public MixerBase<SelfAttention<Scalar>, Scalar, KvCache<Scalar>> {
+template <class Scalar, class Arch = arch::native>
+class SelfAttention : public MixerBase<SelfAttention<Scalar, Arch>, Scalar, KvCache<Scalar>> {
  public:
+  using arch_type = Arch;
   using State = KvCache<Scalar>;
   using Options = SelfAttentionOptions;
 
@@ -65,10 +66,8 @@ class SelfAttention : public MixerBase<SelfAttention<Scalar>, Scalar, KvCache<Sc
       const kernels::MemoryRows<Scalar> memory{state.keys(), state.values(), nullptr};
       const kernels::LocalRows<Scalar> local{k.middle_rows(c0, len), v.middle_rows(c0, len)};
       const kernels::ReadMask mask{options_.causal, 0, options_.window};
-      for (Index h = 0; h < heads; ++h) {
-        kernels::read<Scalar>(q[h].middle_rows(c0, len), memory, local, mask, beta,
-                              o[h].middle_rows(c0, len));
-      }
+      kernels::read<Scalar, Arch>(detail::slice_heads(q, heads, c0, len).data(), heads, memory,
+                                  local, mask, beta, detail::slice_heads(o, heads, c0, len).data());
       state.append(local.keys, local.values);
     }
   }

@@ -29,9 +29,10 @@ struct VqAttentionOptions {
   }
 };
 
-template <class Scalar>
-class VqAttention : public MixerBase<VqAttention<Scalar>, Scalar, VqState<Scalar>> {
+template <class Scalar, class Arch = arch::native>
+class VqAttention : public MixerBase<VqAttention<Scalar, Arch>, Scalar, VqState<Scalar>> {
  public:
+  using arch_type = Arch;
   using State = VqState<Scalar>;
   using Options = VqAttentionOptions;
 
@@ -70,10 +71,9 @@ class VqAttention : public MixerBase<VqAttention<Scalar>, Scalar, VqState<Scalar
       const kernels::MemoryRows<Scalar> memory{dict.keys(), dict.values(), dict.log_counts()};
       const kernels::LocalRows<Scalar> local{
           {quantised.data(), len, state.key_dim(), state.key_dim()}, v_chunk};
-      for (Index h = 0; h < heads; ++h) {
-        kernels::read<Scalar>(q[h].middle_rows(c0, len), memory, local, kernels::ReadMask{},
-                              beta, o[h].middle_rows(c0, len));
-      }
+      kernels::read<Scalar, Arch>(detail::slice_heads(q, heads, c0, len).data(), heads, memory,
+                                  local, kernels::ReadMask{}, beta,
+                                  detail::slice_heads(o, heads, c0, len).data());
 
       groups.build(code.data(), len, dict.size());
       kernels::scatter_mean_update<Scalar>(dict.values(), dict.counts(), groups, v_chunk,
