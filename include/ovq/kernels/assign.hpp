@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "ovq/core/threads.hpp"
 #include "ovq/core/types.hpp"
 
 namespace ovq::kernels {
@@ -18,6 +19,7 @@ inline constexpr Index kAssignCentroidTile = 256;
 template <class Scalar>
 void assign_nearest(ConstRowsView<Scalar> x, ConstRowsView<Scalar> centroids,
                     const Scalar* offset, Scalar* best, Index* arg) {
+  const detail::SerialEigenScope serial;
   const Index n = centroids.rows;
   for (Index i = 0; i < x.rows; ++i) {
     best[i] = -std::numeric_limits<Scalar>::infinity();

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <vector>
 
+#include "ovq/core/threads.hpp"
 #include "ovq/core/types.hpp"
 
 namespace ovq::kernels {
@@ -70,6 +71,7 @@ void linear_chunk_read(const RowMatrix<Scalar>& phi_q, const RowMatrix<Scalar>& 
                        ConstRowsView<Scalar> v, const RowMatrix<Scalar>& kv,
                        const RowVector<Scalar>& k_sum, const std::vector<Scalar>& powers,
                        const LinearChunkParams<Scalar>& p, RowsView<Scalar> o) {
+  const detail::SerialEigenScope serial;
   const Index lc = phi_q.rows();
   RowMatrix<Scalar> a = phi_q * phi_k.transpose();
   for (Index i = 0; i < lc; ++i)
@@ -92,6 +94,7 @@ template <class Scalar>
 void linear_chunk_write(const RowMatrix<Scalar>& phi_k, ConstRowsView<Scalar> v,
                         RowMatrix<Scalar>& kv, RowVector<Scalar>& k_sum,
                         const std::vector<Scalar>& powers) {
+  const detail::SerialEigenScope serial;
   const Index lc = phi_k.rows();
   // w_j = g^(Lc-1-j): how much of token j is left at the end of the chunk.
   Eigen::Matrix<Scalar, Eigen::Dynamic, 1> w(lc);

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "ovq/core/online_softmax.hpp"
+#include "ovq/core/threads.hpp"
 #include "ovq/core/types.hpp"
 #include "ovq/kernels/arch/tile_ops.hpp"
 
@@ -227,7 +228,9 @@ void read(const ConstRowsView<Scalar>* q, Index heads, const MemoryRows<Scalar>&
 
   const Index tile_rows = positions_per_tile * heads;
 #if defined(OVQ_HAS_OPENMP)
-  if (n_tiles > 1 && !omp_in_parallel() && omp_get_max_threads() > 1) {
+  const double work = 2.0 * static_cast<double>(stacked) *
+                      static_cast<double>(n_memory + local_used) * static_cast<double>(dk + dv);
+  if (n_tiles > 1 && detail::worth_parallel(work)) {
 #pragma omp parallel
     {
       TileBuffers<Scalar> buf(tile_rows, dk, dv, kTile);

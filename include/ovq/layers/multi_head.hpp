@@ -7,6 +7,7 @@
 // Query head h reads key/value head h / (Hq / Hkv); each (batch, key/value head) owns a state.
 // Every head's input is checked before any state changes, so a failed call changes nothing.
 // With OpenMP (the consumer compiles with -fopenmp), states run in parallel.
+#include <exception>
 #include <utility>
 #include <vector>
 
@@ -71,7 +72,7 @@ class MultiHead {
 
   void forward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
                const ConstMatrixRef<Scalar>& v, MatrixRef<Scalar> o) {
-    run("forward", rows_view(q), rows_view(k), rows_view(v), rows_view(o));
+    run("forward", true, rows_view(q), rows_view(k), rows_view(v), rows_view(o));
   }
 
   RowMatrix<Scalar> forward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
@@ -83,7 +84,7 @@ class MultiHead {
 
   // Writes K ((B Hkv T) x dk) and V ((B Hkv T) x dv) into every state without reading.
   void absorb(const ConstMatrixRef<Scalar>& k, const ConstMatrixRef<Scalar>& v) {
-    run("absorb", {nullptr, 0, key_dim(), key_dim()}, rows_view(k), rows_view(v),
+    run("absorb", false, {nullptr, 0, key_dim(), key_dim()}, rows_view(k), rows_view(v),
         {nullptr, 0, value_dim(), value_dim()});
   }
 
@@ -91,7 +92,7 @@ class MultiHead {
   void step(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
             const ConstMatrixRef<Scalar>& v, MatrixRef<Scalar> o) {
     detail::check_rows("step", "Q", q.rows(), batch_ * query_heads_, "batch * query heads");
-    run("step", rows_view(q), rows_view(k), rows_view(v), rows_view(o));
+    run("step", true, rows_view(q), rows_view(k), rows_view(v), rows_view(o));
   }
 
  private:
@@ -128,12 +129,11 @@ class MultiHead {
     ConstRowsView<Scalar> k, v;
   };
 
-  void run(const char* where, ConstRowsView<Scalar> q, ConstRowsView<Scalar> k,
+  // reads = false (absorb): the states are written, nothing is read, q and o are unused.
+  void run(const char* where, bool reads, ConstRowsView<Scalar> q, ConstRowsView<Scalar> k,
            ConstRowsView<Scalar> v, RowsView<Scalar> o) {
     const Index dk = key_dim();
     const Index dv = value_dim();
-    // absorb() passes no queries: the states are written, nothing is read.
-    const bool reads = q.data != nullptr;
     const Index group_size = reads ? query_heads_ / kv_heads_ : 0;
     Index tokens = 0;
     if (reads) {
@@ -171,14 +171,35 @@ class MultiHead {
         mixer_.check_write(where, states_[static_cast<std::size_t>(s)], grp.k, grp.v);
       }
     }
+    // An exception must not leave an OpenMP region: the first one is kept and rethrown after.
+    // Only memory exhaustion can get here (inputs were all checked above).
+    std::exception_ptr failure;
+    auto run_state = [&](Index s) {
+      try {
+        Group& grp = groups[static_cast<std::size_t>(s)];
+        mixer_.forward_unchecked(states_[static_cast<std::size_t>(s)], grp.q.data(), group_size,
+                                 grp.k, grp.v, grp.o.data());
+      } catch (...) {
 #if defined(OVQ_HAS_OPENMP)
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads_ > 0 ? threads_ : omp_get_max_threads()) if (n_states > 1)
+#pragma omp critical(ovq_multi_head_failure)
 #endif
-    for (Index s = 0; s < n_states; ++s) {
-      Group& grp = groups[static_cast<std::size_t>(s)];
-      mixer_.forward_unchecked(states_[static_cast<std::size_t>(s)], grp.q.data(), group_size,
-                               grp.k, grp.v, grp.o.data());
+        if (!failure) failure = std::current_exception();
+      }
+    };
+#if defined(OVQ_HAS_OPENMP)
+    // States run in parallel when there are enough of them to share; otherwise they run in
+    // turn and each read parallelises over its own query tiles.
+    const int threads = threads_ > 0 ? threads_ : omp_get_max_threads();
+    if (n_states >= threads && threads > 1 && !omp_in_parallel()) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+      for (Index s = 0; s < n_states; ++s) run_state(s);
+    } else {
+      for (Index s = 0; s < n_states; ++s) run_state(s);
     }
+#else
+    for (Index s = 0; s < n_states; ++s) run_state(s);
+#endif
+    if (failure) std::rethrow_exception(failure);
   }
 
   Mixer mixer_;

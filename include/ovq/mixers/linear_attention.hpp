@@ -62,7 +62,9 @@ class LinearAttention
     const kernels::LinearChunkParams<Scalar> params{
         static_cast<Scalar>(options_.beta), static_cast<Scalar>(options_.decay),
         options_.normalize, static_cast<Scalar>(options_.eps)};
-    const std::vector<Scalar> powers = kernels::decay_powers(params.decay, options_.chunk);
+    // Powers up to the longest chunk this call can form (the option may exceed the call).
+    const std::vector<Scalar> powers =
+        kernels::decay_powers(params.decay, std::min(options_.chunk, std::max<Index>(k.rows, 1)));
     RowMatrix<Scalar> phi_q, phi_k;
     for (Index c0 = 0; c0 < k.rows; c0 += options_.chunk) {
       const Index len = std::min(options_.chunk, k.rows - c0);
