@@ -23,7 +23,6 @@
 // independent of the host's byte order; the only assumption is IEEE-754 floats whose byte order
 // matches the host's integers (true on every platform this library targets).
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <cstddef>
 #include <cstdint>
@@ -35,13 +34,8 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__unix__) || defined(__APPLE__)
-#include <fcntl.h>
-#include <unistd.h>
-#define OVQ_NPY_HAVE_POSIX 1
-#endif
-
 #include "ovq/core/error.hpp"
+#include "ovq/io/file.hpp"
 
 namespace ovq {
 namespace io {
@@ -422,33 +416,6 @@ inline std::vector<unsigned char> make_preamble(DType dtype, const std::vector<s
 
 inline std::string errno_text(int err) { return std::string(std::strerror(err)); }
 
-// Unique per process and call, so concurrent writers (threads or processes) of one path never
-// share a temporary file.
-inline std::string temp_path_for(const std::string& path) {
-  static std::atomic<unsigned long> counter{0};
-#ifdef OVQ_NPY_HAVE_POSIX
-  const long pid = static_cast<long>(::getpid());
-#else
-  const long pid = 0;
-#endif
-  return path + ".tmp." + std::to_string(pid) + "." + std::to_string(counter.fetch_add(1));
-}
-
-// Best effort: make the rename itself durable. Failure here does not undo a completed write.
-inline void sync_parent_dir(const std::string& path) {
-#ifdef OVQ_NPY_HAVE_POSIX
-  const std::size_t slash = path.find_last_of('/');
-  const std::string dir = slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
-  const int fd = ::open(dir.c_str(), O_RDONLY);
-  if (fd >= 0) {
-    (void)::fsync(fd);
-    (void)::close(fd);
-  }
-#else
-  (void)path;
-#endif
-}
-
 }  // namespace npy_detail
 
 // A dense C-order array as stored in an .npy file.
@@ -568,46 +535,12 @@ std::vector<unsigned char> encode_npy(const T* data, const std::vector<std::int6
 // The file is replaced atomically: readers see either the old file or the complete new one.
 template <class T>
 void write_npy(const std::string& path, const T* data, const std::vector<std::int64_t>& shape) {
-  constexpr DType dtype = npy_detail::dtype_of<T>();
-  std::size_t payload = 0;
-  const std::vector<unsigned char> pre = npy_detail::make_preamble(dtype, shape, &payload);
-  if (data == nullptr && payload != 0) throw ArgumentError("write_npy: data is null for a non-empty shape");
-
-  const std::string tmp = npy_detail::temp_path_for(path);
-  std::FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (f == nullptr) {
-    throw IoError("write_npy: cannot create temporary file '" + tmp + "': " + npy_detail::errno_text(errno));
+  if (data == nullptr) {
+    std::size_t payload = 0;
+    (void)npy_detail::make_preamble(npy_detail::dtype_of<T>(), shape, &payload);
+    if (payload != 0) throw ArgumentError("write_npy: data is null for a non-empty shape");
   }
-  auto fail = [&](const std::string& what, int err) {
-    if (f != nullptr) std::fclose(f);
-    std::remove(tmp.c_str());
-    throw IoError("write_npy: " + what + " '" + tmp + "': " + npy_detail::errno_text(err));
-  };
-
-  if (std::fwrite(pre.data(), 1, pre.size(), f) != pre.size()) fail("cannot write", errno);
-  // Convert in chunks so writing never needs a second full-size copy of the array.
-  constexpr std::size_t kChunk = 1u << 14;
-  const std::size_t count = payload / sizeof(T);
-  std::vector<unsigned char> buf(std::min(kChunk, count) * sizeof(T));
-  for (std::size_t i = 0; i < count; i += kChunk) {
-    const std::size_t m = std::min(kChunk, count - i);
-    npy_detail::store_le(data + i, m, buf.data());
-    if (std::fwrite(buf.data(), sizeof(T), m, f) != m) fail("cannot write", errno);
-  }
-  if (std::fflush(f) != 0) fail("cannot flush", errno);
-#ifdef OVQ_NPY_HAVE_POSIX
-  // Without fsync a crash shortly after rename can leave an empty or partial file under `path`.
-  if (::fsync(::fileno(f)) != 0) fail("cannot fsync", errno);
-#endif
-  const int closed = std::fclose(f);
-  f = nullptr;
-  if (closed != 0) fail("cannot close", errno);
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    std::remove(tmp.c_str());
-    throw IoError("write_npy: cannot rename '" + tmp + "' to '" + path + "': " + npy_detail::errno_text(err));
-  }
-  npy_detail::sync_parent_dir(path);
+  write_file_atomic(path, encode_npy(data, shape), "write_npy");
 }
 
 }  // namespace io
