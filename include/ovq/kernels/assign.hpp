@@ -1,43 +1,60 @@
 #pragma once
-// Nearest centroid by inner product, tile by tile over the centroids (no L x n matrix kept).
+// Nearest centroid by inner product, fused with the score tiles: the centroids are packed into
+// key panels once and each tile of scores is reduced to a running argmax at once, so no L x n
+// score matrix is kept.
 //
 //   best[i] = max_r (x_i . C[r] + offset[r]),  arg[i] = the smallest r reaching it
 //
 // OVQ uses offset = none (k . D_k[r]); VQ uses offset = -|C_r|^2 / 2, for which the argmax is
 // the argmin of |k - C_r|^2. Rows of x with no centroid get best = -inf, arg = -1.
-// Shapes: x (L x d), C (n x d), offset (n), best and arg (L). Cost: 2 L n d flops.
+// Shapes: x (L x d), C (n x d), offset (n), best and arg (L). Cost: 2 L n d flops + n d to pack.
 #include <algorithm>
 #include <limits>
+#include <vector>
 
-#include "ovq/core/threads.hpp"
 #include "ovq/core/types.hpp"
+#include "ovq/kernels/arch/tile_ops.hpp"
+#include "ovq/kernels/read.hpp"
 
 namespace ovq::kernels {
 
-inline constexpr Index kAssignCentroidTile = 256;
-
-template <class Scalar>
+template <class Scalar, class Arch = arch::native>
 void assign_nearest(ConstRowsView<Scalar> x, ConstRowsView<Scalar> centroids,
                     const Scalar* offset, Scalar* best, Index* arg) {
-  const detail::SerialEigenScope serial;
+  using Ops = TileOps<Scalar, Arch>;
+  constexpr Index kTile = Ops::kKeyTile;
+  constexpr Index kRows = 32;  // rows of x per score tile
   const Index n = centroids.rows;
+  const Index d = x.cols;
   for (Index i = 0; i < x.rows; ++i) {
     best[i] = -std::numeric_limits<Scalar>::infinity();
     arg[i] = -1;
   }
-  RowMatrix<Scalar> scores(x.rows, std::min(kAssignCentroidTile, std::max<Index>(n, 1)));
-  for (Index r0 = 0; r0 < n; r0 += kAssignCentroidTile) {
-    const Index br = std::min(kAssignCentroidTile, n - r0);
-    auto s = scores.leftCols(br);
-    s.noalias() = as_eigen(x) * as_eigen(centroids.middle_rows(r0, br)).transpose();
-    for (Index i = 0; i < x.rows; ++i) {
-      for (Index j = 0; j < br; ++j) {
-        const Scalar v = offset != nullptr ? s(i, j) + offset[r0 + j] : s(i, j);
-        // Strictly greater: on ties the smallest centroid index wins. The first centroid
-        // always wins against -inf, so even an overflowing score gets an assignment.
-        if (v > best[i] || arg[i] < 0) {
-          best[i] = v;
-          arg[i] = r0 + j;
+  if (n == 0 || x.rows == 0) return;
+  thread_local std::vector<Scalar> panels;
+  read_detail::pack_key_panels<Scalar, kTile>(centroids, panels);
+  std::vector<Scalar> x_rows(static_cast<std::size_t>(kRows * d));
+  std::vector<Scalar> scores(static_cast<std::size_t>(kRows * kTile));
+  for (Index i0 = 0; i0 < x.rows; i0 += kRows) {
+    const Index bq = std::min(kRows, x.rows - i0);
+    for (Index i = 0; i < bq; ++i)
+      std::copy(x.row(i0 + i), x.row(i0 + i) + d, x_rows.data() + i * d);
+    for (Index r0 = 0; r0 < n; r0 += kTile) {
+      const Index br = std::min(kTile, n - r0);
+      Ops::scores_packed(x_rows.data(), d, bq, panels.data() + (r0 / kTile) * d * kTile, d,
+                         Scalar(1), scores.data());
+      for (Index i = 0; i < bq; ++i) {
+        const Scalar* s = scores.data() + i * kTile;
+        Scalar& b = best[i0 + i];
+        Index& a = arg[i0 + i];
+        for (Index j = 0; j < br; ++j) {
+          const Scalar v = offset != nullptr ? s[j] + offset[r0 + j] : s[j];
+          // Strictly greater: on ties the smallest centroid index wins. The first centroid
+          // always wins against -inf, so even an overflowing score gets an assignment.
+          if (v > b || a < 0) {
+            b = v;
+            a = r0 + j;
+          }
         }
       }
     }

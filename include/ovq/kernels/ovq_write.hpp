@@ -56,7 +56,7 @@ inline std::vector<Index> random_seed_rows(std::uint64_t seed, std::int64_t chun
   return rows;
 }
 
-template <class Scalar>
+template <class Scalar, class Arch = arch::native>
 void ovq_write_chunk(Dictionary<Scalar>& dict, std::int64_t absorbed, ConstRowsView<Scalar> k,
                      ConstRowsView<Scalar> v, const OvqWriteParams& params) {
   const Index chunk = k.rows;
@@ -65,7 +65,7 @@ void ovq_write_chunk(Dictionary<Scalar>& dict, std::int64_t absorbed, ConstRowsV
   // s_i / a_i: similarity to, and index of, the nearest centroid so far.
   std::vector<Scalar> nearest(static_cast<std::size_t>(chunk));
   std::vector<Index> assigned(static_cast<std::size_t>(chunk));
-  assign_nearest<Scalar>(k, dict.keys(), nullptr, nearest.data(), assigned.data());
+  assign_nearest<Scalar, Arch>(k, dict.keys(), nullptr, nearest.data(), assigned.data());
 
   auto open_centroid = [&](Index row) {
     dict.push(k.row(row), v.row(row), 0);

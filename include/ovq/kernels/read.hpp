@@ -196,24 +196,43 @@ void read(const ConstRowsView<Scalar>* q, Index heads, const MemoryRows<Scalar>&
   }
 
   const Index n_tiles = (n_pos + positions_per_tile - 1) / positions_per_tile;
-  auto run_tile = [&](Index tile, TileBuffers<Scalar>& buf) {
+  const Index tile_rows = positions_per_tile * heads;
+
+  // The key tiles query tile `tile` must visit, memory first. Tiles no row of the query tile
+  // sees are skipped whole: that is where causal and windowed reads save their masked part.
+  struct KeyTile {
+    const KeyBlock<Scalar>* block;
+    Index k0;
+  };
+  auto key_tiles = [&](Index tile, std::vector<KeyTile>& out) {
+    out.clear();
     const Index i0 = tile * positions_per_tile;
     const Index np = std::min(positions_per_tile, n_pos - i0);
-    const Index bq = np * heads;
     const Index p0 = mask.query_offset + i0;
+    for (Index k0 = (mem.first(p0) / kTile) * kTile; k0 < n_memory; k0 += kTile)
+      out.push_back({&mem, k0});
+    const Index loc_end = loc.last(p0 + np - 1) + 1;
+    for (Index k0 = (loc.first(p0) / kTile) * kTile; k0 < loc_end; k0 += kTile)
+      out.push_back({&loc, k0});
+  };
+  auto load_queries = [&](Index tile, TileBuffers<Scalar>& buf) {
+    const Index i0 = tile * positions_per_tile;
+    const Index np = std::min(positions_per_tile, n_pos - i0);
     for (Index i = 0; i < np; ++i)
       for (Index h = 0; h < heads; ++h)
-        std::copy(q[h].row(i0 + i), q[h].row(i0 + i) + dk,
-                  buf.q.data() + (i * heads + h) * dk);
-    buf.clear_state(bq, dv);
-    // Tiles no row of this tile sees are skipped whole: the masked half of causal reads.
-    const Index mem_begin = (mem.first(p0) / kTile) * kTile;
-    for (Index k0 = mem_begin; k0 < n_memory; k0 += kTile)
-      fold_key_tile<Scalar, Ops>(mem, k0, p0, heads, bq, dk, dv, beta, buf);
-    const Index loc_begin = (loc.first(p0) / kTile) * kTile;
-    const Index loc_end = loc.last(p0 + np - 1) + 1;
-    for (Index k0 = loc_begin; k0 < loc_end; k0 += kTile)
-      fold_key_tile<Scalar, Ops>(loc, k0, p0, heads, bq, dk, dv, beta, buf);
+        std::copy(q[h].row(i0 + i), q[h].row(i0 + i) + dk, buf.q.data() + (i * heads + h) * dk);
+    buf.clear_state(np * heads, dv);
+  };
+  auto fold = [&](Index tile, const KeyTile* first, const KeyTile* last, TileBuffers<Scalar>& buf) {
+    const Index i0 = tile * positions_per_tile;
+    const Index bq = std::min(positions_per_tile, n_pos - i0) * heads;
+    for (const KeyTile* kt = first; kt != last; ++kt)
+      fold_key_tile<Scalar, Ops>(*kt->block, kt->k0, mask.query_offset + i0, heads, bq, dk, dv,
+                                 beta, buf);
+  };
+  auto store = [&](Index tile, const TileBuffers<Scalar>& buf) {
+    const Index i0 = tile * positions_per_tile;
+    const Index np = std::min(positions_per_tile, n_pos - i0);
     for (Index i = 0; i < np; ++i) {
       for (Index h = 0; h < heads; ++h) {
         const Index r = i * heads + h;
@@ -226,22 +245,62 @@ void read(const ConstRowsView<Scalar>* q, Index heads, const MemoryRows<Scalar>&
     }
   };
 
-  const Index tile_rows = positions_per_tile * heads;
 #if defined(OVQ_HAS_OPENMP)
   const double work = 2.0 * static_cast<double>(stacked) *
                       static_cast<double>(n_memory + local_used) * static_cast<double>(dk + dv);
-  if (n_tiles > 1 && detail::worth_parallel(work)) {
+  if (detail::worth_parallel(work)) {
+    if (n_tiles > 1) {
+      // Prefill: query tiles in parallel.
 #pragma omp parallel
-    {
-      TileBuffers<Scalar> buf(tile_rows, dk, dv, kTile);
+      {
+        TileBuffers<Scalar> buf(tile_rows, dk, dv, kTile);
+        std::vector<KeyTile> tiles;
 #pragma omp for schedule(dynamic, 1)
-      for (Index t = 0; t < n_tiles; ++t) run_tile(t, buf);
+        for (Index t = 0; t < n_tiles; ++t) {
+          key_tiles(t, tiles);
+          load_queries(t, buf);
+          fold(t, tiles.data(), tiles.data() + tiles.size(), buf);
+          store(t, buf);
+        }
+      }
+      return;
     }
-    return;
+    // Decode (one query tile over a long memory): split the key tiles across threads, each
+    // keeping its own (o, m, l), then merge them.
+    std::vector<KeyTile> tiles;
+    key_tiles(0, tiles);
+    const Index n_key_tiles = static_cast<Index>(tiles.size());
+    const int threads = static_cast<int>(std::min<Index>(omp_get_max_threads(), n_key_tiles));
+    if (threads > 1) {
+      std::vector<TileBuffers<Scalar>> parts;
+      parts.reserve(static_cast<std::size_t>(threads));
+      for (int t = 0; t < threads; ++t) parts.emplace_back(tile_rows, dk, dv, kTile);
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+      for (int t = 0; t < threads; ++t) {
+        const Index begin = n_key_tiles * t / threads;
+        const Index end = n_key_tiles * (t + 1) / threads;
+        load_queries(0, parts[static_cast<std::size_t>(t)]);
+        fold(0, tiles.data() + begin, tiles.data() + end, parts[static_cast<std::size_t>(t)]);
+      }
+      const Index bq = std::min(positions_per_tile, n_pos) * heads;
+      for (int t = 1; t < threads; ++t)
+        for (Index r = 0; r < bq; ++r)
+          merge_softmax(parts[0].acc.data() + r * dv, parts[0].stats[static_cast<std::size_t>(r)],
+                        parts[static_cast<std::size_t>(t)].acc.data() + r * dv,
+                        parts[static_cast<std::size_t>(t)].stats[static_cast<std::size_t>(r)], dv);
+      store(0, parts[0]);
+      return;
+    }
   }
 #endif
   TileBuffers<Scalar> buf(tile_rows, dk, dv, kTile);
-  for (Index t = 0; t < n_tiles; ++t) run_tile(t, buf);
+  std::vector<KeyTile> tiles;
+  for (Index t = 0; t < n_tiles; ++t) {
+    key_tiles(t, tiles);
+    load_queries(t, buf);
+    fold(t, tiles.data(), tiles.data() + tiles.size(), buf);
+    store(t, buf);
+  }
 }
 
 // One query head.

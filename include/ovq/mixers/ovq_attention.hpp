@@ -80,7 +80,7 @@ class OvqAttention : public MixerBase<OvqAttention<Scalar, Arch>, Scalar, OvqSta
                                   detail::slice_heads(o, heads, pos, len).data());
 
       if (state.pending() == chunk) {
-        kernels::ovq_write_chunk(state.dictionary(), state.absorbed(), state.pending_keys(),
+        kernels::ovq_write_chunk<Scalar, Arch>(state.dictionary(), state.absorbed(), state.pending_keys(),
                                  state.pending_values(), write);
         state.complete_chunk();
       }

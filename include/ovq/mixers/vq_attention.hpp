@@ -64,8 +64,8 @@ class VqAttention : public MixerBase<VqAttention<Scalar, Arch>, Scalar, VqState<
       const Index len = std::min(chunk, k.rows - c0);
       const ConstRowsView<Scalar> k_chunk = k.middle_rows(c0, len);
       const ConstRowsView<Scalar> v_chunk = v.middle_rows(c0, len);
-      kernels::assign_nearest(k_chunk, state.codebook(), state.neg_half_norms(), best.data(),
-                              code.data());
+      kernels::assign_nearest<Scalar, Arch>(k_chunk, state.codebook(), state.neg_half_norms(),
+                                            best.data(), code.data());
       for (Index i = 0; i < len; ++i) quantised.row(i) = as_eigen(state.codebook()).row(code[i]);
 
       const kernels::MemoryRows<Scalar> memory{dict.keys(), dict.values(), dict.log_counts()};
