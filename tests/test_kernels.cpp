@@ -1,0 +1,266 @@
+// The optimised kernels against the portable ones, scalar and native architecture in the same
+// binary, and both against plain double formulas.
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "support/catch.hpp"
+#include "support/fixtures.hpp"
+
+using namespace ovq;
+using ovq::test::random_matrix;
+using ovq::test::relative_error;
+
+namespace {
+
+// Plain double formula of the fused read for one head (header of kernels/read.hpp).
+RowMatrix<double> read_formula(const RowMatrix<double>& q, const RowMatrix<double>& km,
+                               const RowMatrix<double>& vm, const std::vector<double>& bias,
+                               const RowMatrix<double>& kl, const RowMatrix<double>& vl,
+                               const kernels::ReadMask& mask, double beta) {
+  const Index nm = km.rows();
+  RowMatrix<double> o(q.rows(), vl.cols());
+  for (Index i = 0; i < q.rows(); ++i) {
+    const Index p = mask.query_offset + i;
+    std::vector<double> logits;
+    std::vector<Eigen::VectorXd> values;
+    for (Index r = 0; r < nm; ++r) {
+      if (mask.causal && mask.window > 0 && r - nm <= p - mask.window) continue;
+      const double b = bias.empty() ? 0.0 : bias[static_cast<std::size_t>(r)];
+      logits.push_back(beta * q.row(i).dot(km.row(r)) + b);
+      values.push_back(vm.row(r).transpose());
+    }
+    for (Index j = 0; j < kl.rows(); ++j) {
+      if (mask.causal && j > p) continue;
+      if (mask.causal && mask.window > 0 && j <= p - mask.window) continue;
+      logits.push_back(beta * q.row(i).dot(kl.row(j)));
+      values.push_back(vl.row(j).transpose());
+    }
+    o.row(i) = ref::softmax_read(logits, values, vl.cols()).transpose();
+  }
+  return o;
+}
+
+template <class Scalar, class Arch>
+std::vector<RowMatrix<Scalar>> run_read(const std::vector<RowMatrix<Scalar>>& q,
+                                        const RowMatrix<Scalar>& km, const RowMatrix<Scalar>& vm,
+                                        const std::vector<Scalar>& bias,
+                                        const RowMatrix<Scalar>& kl, const RowMatrix<Scalar>& vl,
+                                        const kernels::ReadMask& mask, Scalar beta) {
+  std::vector<RowMatrix<Scalar>> o;
+  std::vector<ConstRowsView<Scalar>> qv;
+  std::vector<RowsView<Scalar>> ov;
+  for (const auto& m : q) o.emplace_back(m.rows(), vl.cols());
+  for (std::size_t h = 0; h < q.size(); ++h) {
+    qv.push_back(rows_view(q[h]));
+    ov.push_back(rows_view(o[h]));
+  }
+  const kernels::MemoryRows<Scalar> memory{rows_view(km), rows_view(vm),
+                                           bias.empty() ? nullptr : bias.data()};
+  const kernels::LocalRows<Scalar> local{rows_view(kl), rows_view(vl)};
+  kernels::read<Scalar, Arch>(qv.data(), static_cast<Index>(q.size()), memory, local, mask, beta,
+                              ov.data());
+  return o;
+}
+
+struct ReadCase {
+  Index heads, n_queries, n_memory, n_local, dk, dv, offset, window;
+  bool causal, bias;
+};
+
+template <class Scalar, class Arch>
+void check_read_case(const ReadCase& c, std::uint64_t seed) {
+  std::vector<RowMatrix<Scalar>> q;
+  for (Index h = 0; h < c.heads; ++h)
+    q.push_back(random_matrix<Scalar>(c.n_queries, c.dk, seed + 10 + h, 0.5));
+  const auto km = random_matrix<Scalar>(c.n_memory, c.dk, seed + 1);
+  const auto vm = random_matrix<Scalar>(c.n_memory, c.dv, seed + 2);
+  const auto kl = random_matrix<Scalar>(c.n_local, c.dk, seed + 3);
+  const auto vl = random_matrix<Scalar>(c.n_local, c.dv, seed + 4);
+  std::vector<Scalar> bias;
+  std::vector<double> bias_d;
+  if (c.bias) {
+    for (Index r = 0; r < c.n_memory; ++r) {
+      // Every seventh row removed (count 0), the others log-count-like.
+      const double b = r % 7 == 3 ? -std::numeric_limits<double>::infinity() : std::log(1.0 + r % 5);
+      bias.push_back(static_cast<Scalar>(b));
+      bias_d.push_back(b);
+    }
+  }
+  const kernels::ReadMask mask{c.causal, c.offset, c.window};
+  const Scalar beta = Scalar(0.8);
+  const auto fast = run_read<Scalar, Arch>(q, km, vm, bias, kl, vl, mask, beta);
+  const auto portable = run_read<Scalar, arch::scalar>(q, km, vm, bias, kl, vl, mask, beta);
+  for (Index h = 0; h < c.heads; ++h) {
+    const RowMatrix<double> want =
+        read_formula(q[h].template cast<double>(), km.template cast<double>(),
+                     vm.template cast<double>(), bias_d, kl.template cast<double>(),
+                     vl.template cast<double>(), mask, 0.8);
+    INFO("heads " << c.heads << " Tq " << c.n_queries << " Nm " << c.n_memory << " Nl "
+                  << c.n_local << " dk " << c.dk << " dv " << c.dv << " offset " << c.offset
+                  << " window " << c.window << " causal " << c.causal);
+    CHECK(relative_error(fast[h], want) < 10 * test::tolerance<Scalar>());
+    CHECK(relative_error(portable[h], want) < 10 * test::tolerance<Scalar>());
+    CHECK(relative_error(fast[h], portable[h]) < 10 * test::tolerance<Scalar>());
+  }
+}
+
+const std::vector<ReadCase> kReadCases = {
+    // heads Tq  Nm   Nl  dk  dv off win causal bias
+    {1, 1, 0, 1, 8, 8, 0, 0, true, false},      // a single token
+    {1, 5, 0, 5, 16, 12, 0, 0, true, false},    // few queries: unpacked path
+    {1, 40, 0, 40, 32, 32, 0, 0, true, false},  // packed path, one partial key tile
+    {1, 150, 0, 150, 64, 48, 0, 0, true, false},
+    {1, 70, 130, 70, 17, 33, 0, 0, true, true},     // memory with bias, odd widths
+    {1, 30, 200, 64, 64, 64, 34, 0, true, true},    // queries at an offset into the chunk
+    {1, 100, 80, 100, 24, 8, 0, 50, true, false},   // window reaching into memory
+    {1, 100, 80, 100, 24, 8, 0, 1, true, false},    // window 1: only the token itself
+    {1, 60, 50, 60, 16, 20, 0, 0, false, false},    // non-causal
+    {4, 33, 90, 33, 32, 16, 0, 0, true, true},      // grouped heads stacked in one tile
+    {3, 1, 5000, 1, 64, 64, 0, 0, true, true},      // decode over a long memory
+    {8, 2, 300, 7, 16, 16, 5, 0, true, true},       // decode, several heads, offset
+    {20, 9, 70, 9, 8, 8, 0, 0, true, false},        // more heads than a tile holds rows
+};
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("read kernel: native architecture == portable == formula", "[kernels][read]",
+                   float, double) {
+  std::uint64_t seed = 100;
+  for (const ReadCase& c : kReadCases) check_read_case<TestType, arch::native>(c, seed += 50);
+}
+
+#if defined(OVQ_ARCH_AVX2)
+TEST_CASE("read kernel: AVX2 micro-kernels == formula", "[kernels][read]") {
+  std::uint64_t seed = 900;
+  for (const ReadCase& c : kReadCases) check_read_case<float, arch::avx2>(c, seed += 50);
+}
+#endif
+
+TEST_CASE("read kernel: huge logits stay finite and pick the maximum", "[kernels][read]") {
+  // beta q . k spans thousands: exp of the differences underflows to exactly 0 everywhere but
+  // at the maximum, without NaN.
+  const auto q = random_matrix<float>(20, 16, 1, 50.0);
+  const auto k = random_matrix<float>(20, 16, 2, 50.0);
+  const auto v = random_matrix<float>(20, 4, 3);
+  const auto o = run_read<float, arch::native>({q}, RowMatrix<float>(0, 16), RowMatrix<float>(0, 4),
+                                               {}, k, v, kernels::ReadMask{}, 1.0f);
+  for (Index i = 0; i < 20; ++i) {
+    Index best = 0;
+    for (Index j = 1; j <= i; ++j)
+      if (q.row(i).dot(k.row(j)) > q.row(i).dot(k.row(best))) best = j;
+    CHECK((o[0].row(i) - v.row(best)).norm() < 1e-4f);
+  }
+}
+
+TEMPLATE_TEST_CASE("assign_nearest: native == portable == formula", "[kernels][assign]", float,
+                   double) {
+  for (Index n : {1, 7, 64, 65, 300}) {
+    for (Index d : {3, 16, 40}) {
+      const auto x = random_matrix<TestType>(45, d, 7 * n + d);
+      const auto c = random_matrix<TestType>(n, d, 11 * n + d);
+      std::vector<TestType> offset(static_cast<std::size_t>(n));
+      for (Index r = 0; r < n; ++r) offset[r] = TestType(-0.5) * c.row(r).squaredNorm();
+      std::vector<TestType> best_fast(45), best_port(45);
+      std::vector<Index> arg_fast(45), arg_port(45);
+      kernels::assign_nearest<TestType, arch::native>(rows_view(x), rows_view(c), offset.data(),
+                                                      best_fast.data(), arg_fast.data());
+      kernels::assign_nearest<TestType, arch::scalar>(rows_view(x), rows_view(c), offset.data(),
+                                                      best_port.data(), arg_port.data());
+      const std::vector<Index> nearest =
+          ref::quantise(x.template cast<double>(), c.template cast<double>());
+      for (Index i = 0; i < 45; ++i) {
+        INFO("n " << n << " d " << d << " row " << i);
+        CHECK(arg_fast[i] == nearest[i]);
+        CHECK(arg_port[i] == nearest[i]);
+        CHECK(std::abs(best_fast[i] - best_port[i]) <= 1e-4 * (1 + std::abs(best_port[i])));
+      }
+    }
+  }
+}
+
+TEST_CASE("assign_nearest: ties go to the smallest index, no centroid gives -1", "[kernels][assign]") {
+  RowMatrix<float> c(4, 2);
+  c << 1, 0, 0, 1, 1, 0, 0, 1;  // rows 0/2 and 1/3 identical
+  RowMatrix<float> x(3, 2);
+  x << 2, 0, 0, 3, 1, 1;        // the last is tied between all four
+  std::vector<float> best(3);
+  std::vector<Index> arg(3);
+  kernels::assign_nearest<float>(rows_view(x), rows_view(c), nullptr, best.data(), arg.data());
+  CHECK(arg == std::vector<Index>{0, 1, 0});
+  kernels::assign_nearest<float>(rows_view(x), rows_view(c.topRows(0)), nullptr, best.data(),
+                                 arg.data());
+  CHECK(arg == std::vector<Index>{-1, -1, -1});
+  CHECK(best[0] == -std::numeric_limits<float>::infinity());
+}
+
+namespace {
+
+template <template <class, class> class Mixer, class Options, class MakeState>
+void compare_architectures(const Options& options, MakeState make_state, Index t, Index dk,
+                           Index dv, std::uint64_t seed) {
+  const auto q = random_matrix<float>(t, dk, seed, 0.5);
+  const auto k = random_matrix<float>(t, dk, seed + 1, 0.5);
+  const auto v = random_matrix<float>(t, dv, seed + 2);
+  Mixer<float, arch::native> fast(options);
+  Mixer<float, arch::scalar> portable(options);
+  auto s_fast = make_state(fast);
+  auto s_port = make_state(portable);
+  const RowMatrix<float> o_fast = fast.forward(s_fast, q, k, v);
+  const RowMatrix<float> o_port = portable.forward(s_port, q, k, v);
+  CHECK(relative_error(o_fast, o_port) < 1e-5);
+}
+
+}  // namespace
+
+TEST_CASE("mixers: native architecture == portable architecture", "[kernels][arch]") {
+  const Index dk = 24, dv = 40;
+  for (Index t : {1, 63, 200, 513}) {
+    SelfAttentionOptions so;
+    compare_architectures<SelfAttention>(so, [&](auto& m) { return m.make_state(dk, dv); }, t, dk,
+                                         dv, 10 + t);
+    so.window = 37;
+    compare_architectures<SelfAttention>(so, [&](auto& m) { return m.make_state(dk, dv); }, t, dk,
+                                         dv, 20 + t);
+    LinearAttentionOptions lo;
+    lo.feature_map = FeatureMap::elu1;
+    lo.normalize = true;
+    compare_architectures<LinearAttention>(lo, [&](auto& m) { return m.make_state(dk, dv); }, t,
+                                           dk, dv, 30 + t);
+    const auto codebook = random_matrix<float>(50, dk, 5, 0.5);
+    compare_architectures<VqAttention>(VqAttentionOptions{},
+                                       [&](auto& m) { return m.make_state(codebook, dv); }, t, dk,
+                                       dv, 40 + t);
+    OvqOptions oo;
+    oo.capacity = 96;
+    oo.chunk = 32;
+    compare_architectures<OvqAttention>(oo, [&](auto& m) { return m.make_state(dk, dv); }, t, dk,
+                                        dv, 50 + t);
+  }
+}
+
+TEST_CASE("online softmax: merging two halves equals one pass", "[kernels][softmax]") {
+  const auto s = random_matrix<double>(1, 40, 3, 3.0);
+  const auto v = random_matrix<double>(40, 5, 4);
+  auto fold = [&](Index b, Index e, double* o, SoftmaxStats<double>& st) {
+    for (Index j = b; j < e; ++j) {
+      const double m = std::max(st.m, s(0, j));
+      const double a = std::exp(st.m - m), w = std::exp(s(0, j) - m);
+      for (Index c = 0; c < 5; ++c) o[c] = o[c] * a + w * v(j, c);
+      st.l = st.l * a + w;
+      st.m = m;
+    }
+  };
+  double o_all[5] = {}, o_a[5] = {}, o_b[5] = {};
+  SoftmaxStats<double> all, a, b;
+  fold(0, 40, o_all, all);
+  fold(0, 17, o_a, a);
+  fold(17, 40, o_b, b);
+  merge_softmax(o_a, a, o_b, b, 5);
+  CHECK(a.l == Approx(all.l));
+  for (int c = 0; c < 5; ++c) CHECK(o_a[c] / a.l == Approx(o_all[c] / all.l));
+  SoftmaxStats<double> empty;
+  double o_e[5] = {};
+  merge_softmax(o_e, empty, o_all, all, 5);  // merging into an empty state copies
+  CHECK(empty.l == all.l);
+}
