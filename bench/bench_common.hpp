@@ -1,0 +1,525 @@
+#pragma once
+// What every ovq benchmark binary shares: threads, the in-process sgemm reference, seeded inputs,
+// FLOP counts, counters, and the prefill/decode drivers around MultiHead (batch 1).
+//
+// Each binary registers BM_Peak_sgemm first (Google Benchmark runs benchmarks in registration
+// order), so every run carries its own reference rate: Eigen's fp32 GEMM on this machine, with
+// the same threads, in the same process. Kernel benchmarks report
+//   GFLOPS        FLOPs the mathematics needs (causal half only; formulas in namespace flops) / s
+//   frac_sgemm    GFLOPS / the BM_Peak_sgemm rate of this process (measured lazily, once, when
+//                 a filter left BM_Peak_sgemm out)
+//   sgemm_GFLOPS  that reference rate
+//   bytes_state   MultiHead::bytes() after the run: what the streaming state holds
+//   tokens_per_s  tokens of one head stream per second (decode: steps per second)
+//   threads       the thread count used
+// Threads: --threads=N (or --threads N) on the command line, else OVQ_BENCH_THREADS, else
+// OpenMP's default (all cores, or OMP_NUM_THREADS). It sets OpenMP's default, Eigen's GEMM
+// threads and MultiHead::set_threads alike. Without OpenMP everything runs on one thread.
+//
+// Names carry Google Benchmark style arguments, so a result is found by mixer, phase and shape:
+//   BM_<Mixer>_prefill/T:<tokens>/<mixer parameters>/d:<head dim>/H:<heads>       (Hq = Hkv)
+//   BM_<Mixer>_prefill/T:<tokens>/.../d:<d>/Hq:<query heads>/Hkv:<kv heads>      (grouped)
+//   BM_<Mixer>_decode/ctx:<context>/.../d:<d>/H:<heads>
+// Google Benchmark appends "/real_time" (every case uses real time).
+#include <benchmark/benchmark.h>
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <ovq/ovq.hpp>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace ovq_bench {
+
+using ovq::Index;
+using Matrix = ovq::RowMatrix<float>;
+
+// ---------------------------------------------------------------------------------------------
+// Threads
+// ---------------------------------------------------------------------------------------------
+
+inline int& configured_threads() {
+  static int threads = 1;
+  return threads;
+}
+
+inline void apply_threads(int threads) {
+#if defined(OVQ_HAS_OPENMP)
+  threads = std::max(threads, 1);
+  omp_set_num_threads(threads);
+  Eigen::setNbThreads(threads);
+#else
+  threads = 1;  // nothing would run in parallel
+#endif
+  configured_threads() = threads;
+}
+
+inline int default_threads() {
+#if defined(OVQ_HAS_OPENMP)
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+// Takes --threads=N / --threads N out of argv (Google Benchmark rejects unknown flags).
+inline int parse_threads(int& argc, char** argv) {
+  int threads = 0;
+  if (const char* env = std::getenv("OVQ_BENCH_THREADS"); env != nullptr && *env != '\0')
+    threads = std::atoi(env);
+  int out = 1;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], "--threads=", 10) == 0) {
+      threads = std::atoi(argv[i] + 10);
+    } else if (std::strcmp(argv[i], "--threads") == 0 && i + 1 < argc) {
+      threads = std::atoi(argv[++i]);
+    } else {
+      argv[out++] = argv[i];
+    }
+  }
+  argc = out;
+  argv[argc] = nullptr;
+  return threads > 0 ? threads : default_threads();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Seeded inputs
+// ---------------------------------------------------------------------------------------------
+
+// splitmix64: fast enough to fill a gigabyte of inputs in well under a second.
+class Rng {
+ public:
+  explicit Rng(std::uint64_t seed) : state_(seed) {}
+  std::uint64_t next() {
+    std::uint64_t z = (state_ += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+  }
+  // Uniform in [-1, 1).
+  float uniform() { return static_cast<float>(next() >> 40) * (2.0f / 16777216.0f) - 1.0f; }
+
+ private:
+  std::uint64_t state_;
+};
+
+inline std::uint64_t mix_seed(std::uint64_t a, std::uint64_t b, std::uint64_t c = 0) {
+  Rng r(a * 0x9e3779b97f4a7c15ULL ^ (b + 0x632be59bd9b4e019ULL) ^ (c << 17));
+  return r.next();
+}
+
+// Rows uniform in [-1, 1)^d; with unit_rows, scaled to unit norm (VQ and OVQ assume normalised
+// queries and keys, which the layer would do; the values stay as drawn).
+inline void fill_rows(Eigen::Ref<Matrix> m, std::uint64_t seed, bool unit_rows) {
+  Rng rng(seed);
+  for (Index i = 0; i < m.rows(); ++i) {
+    float* row = m.row(i).data();
+    for (Index j = 0; j < m.cols(); ++j) row[j] = rng.uniform();
+    if (unit_rows) m.row(i).normalize();
+  }
+}
+
+struct Inputs {
+  Matrix q;  // (Hq T) x d
+  Matrix k;  // (Hkv T) x d
+  Matrix v;  // (Hkv T) x d
+};
+
+// Prefill inputs, generated outside any timed region. One set is kept at a time: consecutive
+// cases share shapes, and the largest set is about 1 GiB.
+inline const Inputs& prefill_inputs(Index tokens, Index hq, Index hkv, Index d) {
+  static std::unique_ptr<Inputs> cached;
+  static std::vector<Index> cached_key;
+  const std::vector<Index> key{tokens, hq, hkv, d};
+  if (!cached || cached_key != key) {
+    cached.reset();
+    cached = std::make_unique<Inputs>();
+    cached->q.resize(hq * tokens, d);
+    cached->k.resize(hkv * tokens, d);
+    cached->v.resize(hkv * tokens, d);
+    fill_rows(cached->q, mix_seed(1, static_cast<std::uint64_t>(tokens), 1), true);
+    fill_rows(cached->k, mix_seed(1, static_cast<std::uint64_t>(tokens), 2), true);
+    fill_rows(cached->v, mix_seed(1, static_cast<std::uint64_t>(tokens), 3), false);
+    cached_key = key;
+  }
+  return *cached;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The reference: Eigen fp32 GEMM
+// ---------------------------------------------------------------------------------------------
+
+inline constexpr Index kSgemmSize = 2048;
+
+inline double sgemm_flops() {
+  const double n = static_cast<double>(kSgemmSize);
+  return 2.0 * n * n * n;
+}
+
+inline double& sgemm_gflops() {
+  static double rate = 0.0;
+  return rate;
+}
+
+struct SgemmOperands {
+  Eigen::MatrixXf a, b, c;
+  SgemmOperands()
+      : a(Eigen::MatrixXf::Random(kSgemmSize, kSgemmSize)),
+        b(Eigen::MatrixXf::Random(kSgemmSize, kSgemmSize)),
+        c(Eigen::MatrixXf::Zero(kSgemmSize, kSgemmSize)) {}
+  void multiply() { c.noalias() = a * b; }
+};
+
+inline SgemmOperands& sgemm_operands() {
+  static SgemmOperands operands;
+  return operands;
+}
+
+using Clock = std::chrono::steady_clock;
+
+inline double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// The rate kernel benchmarks divide by: BM_Peak_sgemm's, or measured here once when the filter
+// left BM_Peak_sgemm out (untimed: this runs after a benchmark's timed loop).
+inline double reference_gflops() {
+  if (sgemm_gflops() > 0.0) return sgemm_gflops();
+  SgemmOperands& op = sgemm_operands();
+  op.multiply();  // warm-up: threads started, pages touched
+  constexpr int kRepeats = 3;
+  const Clock::time_point t0 = Clock::now();
+  for (int i = 0; i < kRepeats; ++i) {
+    op.multiply();
+    benchmark::DoNotOptimize(op.c.data());
+  }
+  sgemm_gflops() = sgemm_flops() * kRepeats / seconds_since(t0) / 1e9;
+  std::fprintf(stderr, "ovq bench: BM_Peak_sgemm not run; measured sgemm once: %.1f GFLOPS\n",
+               sgemm_gflops());
+  return sgemm_gflops();
+}
+
+// C (n x n) = A B, n = kSgemmSize, fp32, Eigen with this run's thread count. 2 n^3 flops.
+inline void BM_Peak_sgemm(benchmark::State& st) {
+  SgemmOperands& op = sgemm_operands();
+  op.multiply();  // warm-up, untimed
+  const Clock::time_point t0 = Clock::now();
+  for (auto _ : st) {
+    op.multiply();
+    benchmark::DoNotOptimize(op.c.data());
+    benchmark::ClobberMemory();
+  }
+  const double seconds = seconds_since(t0);
+  // The runner calls this function more than once while it sizes the run; the last call, the
+  // one it reports, leaves its rate here.
+  if (seconds > 0.0)
+    sgemm_gflops() = sgemm_flops() * static_cast<double>(st.iterations()) / seconds / 1e9;
+  st.counters["GFLOPS"] =
+      benchmark::Counter(sgemm_flops() / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  st.counters["n"] = static_cast<double>(kSgemmSize);
+  st.counters["threads"] = configured_threads();
+}
+
+// ---------------------------------------------------------------------------------------------
+// FLOPs the mathematics needs (MATH.md), per mixer. "Needed": the causal half of a score matrix
+// only; multiply and add count 2. Helpers return totals over all heads; dk = dv = d here.
+// ---------------------------------------------------------------------------------------------
+namespace flops {
+
+// MATH.md 1, causal self-attention: query i reads the C cached rows and the i + 1 rows of its
+// own call up to itself, each a dot over dk and an axpy over dv:
+//   prefill of T tokens from an empty cache: 2 * T (T + 1) / 2 * (dk + dv) per query head.
+inline double self_prefill(Index tokens, Index dk, Index dv, Index hq) {
+  const double t = static_cast<double>(tokens);
+  return static_cast<double>(hq) * 2.0 * (t * (t + 1.0) / 2.0) * static_cast<double>(dk + dv);
+}
+//   decode step over a cache of C rows: 2 (C + 1) (dk + dv) per query head.
+inline double self_decode(double cache_rows, Index dk, Index dv, Index hq) {
+  return static_cast<double>(hq) * 2.0 * (cache_rows + 1.0) * static_cast<double>(dk + dv);
+}
+
+// MATH.md 2, linear attention in chunked GEMM form, chunk of Lc tokens (unnormalised):
+//   per query head:  A = phi(Q) phi(K)^T, causal half   Lc (Lc + 1) / 2 * 2 dk
+//                    A V, causal half                   Lc (Lc + 1) / 2 * 2 dv
+//                    phi(Q) S_prev                      2 Lc dk dv
+//   per kv head:     S += phi(K)^T V, z += sum phi(K)   2 Lc dk dv + 2 Lc dk
+// A decode step is the chunk Lc = 1.
+inline double linear_chunked(Index tokens, Index chunk, Index dk, Index dv, Index hq, Index hkv) {
+  double per_q = 0.0, per_kv = 0.0;
+  for (Index c0 = 0; c0 < tokens; c0 += chunk) {
+    const double lc = static_cast<double>(std::min(chunk, tokens - c0));
+    per_q +=
+        lc * (lc + 1.0) * static_cast<double>(dk + dv) + 2.0 * lc * static_cast<double>(dk * dv);
+    per_kv += 2.0 * lc * static_cast<double>(dk * dv) + 2.0 * lc * static_cast<double>(dk);
+  }
+  return static_cast<double>(hq) * per_q + static_cast<double>(hkv) * per_kv;
+}
+
+// MATH.md 3, VQ-attention with S codes and chunk L: per kv head and token, quantising the key
+// against every code, 2 S dk; per query head and token, reading the S codes as memory and the
+// quantised chunk rows up to itself, 2 (S + p + 1)(dk + dv) at chunk position p. A decode step
+// is one token at p = 0 (each step is its own chunk).
+inline double vq(Index tokens, Index chunk, Index codes, Index dk, Index dv, Index hq, Index hkv) {
+  double read_rows = 0.0;
+  for (Index t = 0; t < tokens; ++t) read_rows += static_cast<double>(codes + (t % chunk) + 1);
+  return static_cast<double>(hq) * 2.0 * read_rows * static_cast<double>(dk + dv) +
+         static_cast<double>(hkv) * 2.0 * static_cast<double>(tokens) *
+             static_cast<double>(codes * dk);
+}
+
+// MATH.md 4, OVQ-attention. Work of a stream of tokens [t_begin, t_begin + tokens), simulated
+// through the growth schedule (dictionary sizes are set by the schedule, not the data):
+//   read   per query head, token at chunk position p, dictionary of n rows:
+//          2 (n + p + 1)(dk + dv)
+//   assign per kv head and completed chunk: the chunk's L keys against the n old centroids,
+//          2 L n dk (the same scores seed the spread-maximising choice)
+//   seed   per kv head and new centroid: its key against the L chunk keys, 2 L dk
+// The sparse update, O(L (dk + dv)) per chunk, is not counted (under 0.1%).
+struct OvqWork {
+  double read_rows = 0.0;  // sum over tokens of the rows each reads
+  double scored = 0.0;     // sum over chunks of L * n (assignment dots)
+  double seeded = 0.0;     // sum over chunks of L * m (seeding dots)
+
+  double total(Index dk, Index dv, Index hq, Index hkv) const {
+    return static_cast<double>(hq) * 2.0 * read_rows * static_cast<double>(dk + dv) +
+           static_cast<double>(hkv) * 2.0 * (scored + seeded) * static_cast<double>(dk);
+  }
+};
+
+// m of MATH.md 4 step 1 for t absorbed tokens, n active centroids.
+inline Index ovq_new_centroids(const ovq::OvqOptions& opt, std::int64_t t, Index n) {
+  const Index target = opt.growth.target(t + opt.chunk, opt.capacity);
+  Index m = std::clamp<Index>(target - n, 0, opt.chunk);
+  if (n == 0) m = std::max<Index>(m, 1);
+  return std::min(m, opt.capacity - n);
+}
+
+inline OvqWork ovq_stream(const ovq::OvqOptions& opt, std::int64_t t_begin, std::int64_t tokens) {
+  const Index chunk = opt.chunk;
+  Index n = 0;
+  std::int64_t t = 0;
+  // Fast-forward to the chunk holding t_begin.
+  for (; t + chunk <= t_begin; t += chunk) n += ovq_new_centroids(opt, t, n);
+  OvqWork work;
+  for (std::int64_t pos = t_begin; pos < t_begin + tokens; ++pos) {
+    const Index p = static_cast<Index>(pos - t);
+    work.read_rows += static_cast<double>(n + p + 1);
+    if (p == chunk - 1) {
+      const Index m = ovq_new_centroids(opt, t, n);
+      work.scored += static_cast<double>(chunk) * static_cast<double>(n);
+      work.seeded += static_cast<double>(chunk) * static_cast<double>(m);
+      n += m;
+      t += chunk;
+    }
+  }
+  return work;
+}
+
+// Dictionary size after t tokens (whole chunks absorbed).
+inline Index ovq_size_after(const ovq::OvqOptions& opt, std::int64_t tokens) {
+  Index n = 0;
+  for (std::int64_t t = 0; t + opt.chunk <= tokens; t += opt.chunk)
+    n += ovq_new_centroids(opt, t, n);
+  return n;
+}
+
+}  // namespace flops
+
+// ---------------------------------------------------------------------------------------------
+// Counters and names
+// ---------------------------------------------------------------------------------------------
+
+inline void report(benchmark::State& st, double flops_per_iteration, double state_bytes,
+                   double tokens_per_iteration) {
+  using benchmark::Counter;
+  const double ref = reference_gflops();
+  st.counters["GFLOPS"] = Counter(flops_per_iteration / 1e9, Counter::kIsIterationInvariantRate);
+  st.counters["frac_sgemm"] =
+      Counter(flops_per_iteration / 1e9 / ref, Counter::kIsIterationInvariantRate);
+  st.counters["sgemm_GFLOPS"] = ref;
+  st.counters["tokens_per_s"] = Counter(tokens_per_iteration, Counter::kIsIterationInvariantRate);
+  if (state_bytes >= 0.0)
+    st.counters["bytes_state"] = Counter(state_bytes, Counter::kDefaults, Counter::kIs1024);
+  st.counters["threads"] = configured_threads();
+}
+
+inline std::string heads_arg(Index hq, Index hkv) {
+  if (hq == hkv) return "H:" + std::to_string(hq);
+  return "Hq:" + std::to_string(hq) + "/Hkv:" + std::to_string(hkv);
+}
+
+// base + "/name:value" for each argument.
+inline std::string case_name(const std::string& base,
+                             const std::vector<std::pair<std::string, Index>>& args, Index hq,
+                             Index hkv) {
+  std::string name = base;
+  for (const auto& [key, value] : args) name += "/" + key + ":" + std::to_string(value);
+  return name + "/" + heads_arg(hq, hkv);
+}
+
+// Registers one case: milliseconds, real time. Errors thrown by the library end the case with a
+// message instead of the whole run.
+inline benchmark::internal::Benchmark* add_case(const std::string& name,
+                                                std::function<void(benchmark::State&)> fn) {
+  auto guarded = [fn = std::move(fn)](benchmark::State& st) {
+    try {
+      fn(st);
+    } catch (const std::exception& e) {
+      st.SkipWithError(e.what());
+    }
+  };
+  return benchmark::RegisterBenchmark(name.c_str(), guarded)
+      ->Unit(benchmark::kMillisecond)
+      ->UseRealTime();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Drivers
+// ---------------------------------------------------------------------------------------------
+
+// Prefill: one forward over T tokens of every head from empty states, per iteration. The reset
+// is untimed; inputs and outputs exist (and are touched) before the timed loop.
+template <class Mixer>
+void run_prefill(benchmark::State& st, ovq::MultiHead<Mixer>& layer, Index tokens,
+                 double flops_per_iteration) {
+  const Index hq = layer.query_heads();
+  const Index hkv = layer.kv_heads();
+  const Index d = layer.key_dim();
+  const Inputs& in = prefill_inputs(tokens, hq, hkv, d);
+  Matrix o = Matrix::Zero(hq * tokens, layer.value_dim());
+  layer.set_threads(configured_threads());
+  for (auto _ : st) {
+    st.PauseTiming();
+    layer.reset();
+    st.ResumeTiming();
+    layer.forward(in.q, in.k, in.v, o);
+    benchmark::DoNotOptimize(o.data());
+    benchmark::ClobberMemory();
+  }
+  report(st, flops_per_iteration, static_cast<double>(layer.bytes()), static_cast<double>(tokens));
+}
+
+inline constexpr Index kContextBlock = 1024;
+
+// The state of kv heads after absorbing a context of ctx tokens (MultiHead::absorb: written,
+// never read). Context tokens come in blocks generated from (key, block) seeds, so a longer
+// context extends a shorter one: the one cached layer is extended in place when the next case
+// asks for the same key with a longer context, and rebuilt otherwise.
+template <class Mixer>
+const ovq::MultiHead<Mixer>& absorbed_context(const std::string& key, Index ctx,
+                                              const std::function<ovq::MultiHead<Mixer>()>& make) {
+  struct Cache {
+    std::string key;
+    Index ctx = 0;
+    std::unique_ptr<ovq::MultiHead<Mixer>> layer;
+  };
+  static Cache cache;
+  if (!cache.layer || cache.key != key || cache.ctx > ctx) {
+    cache.layer.reset();
+    cache.layer = std::make_unique<ovq::MultiHead<Mixer>>(make());
+    cache.key = key;
+    cache.ctx = 0;
+  }
+  ovq::MultiHead<Mixer>& layer = *cache.layer;
+  layer.set_threads(configured_threads());
+  const Index hkv = layer.kv_heads();
+  Matrix k(hkv * kContextBlock, layer.key_dim());
+  Matrix v(hkv * kContextBlock, layer.value_dim());
+  for (Index t0 = cache.ctx; t0 < ctx; t0 += kContextBlock) {
+    const Index len = std::min(kContextBlock, ctx - t0);
+    const auto block = static_cast<std::uint64_t>(t0 / kContextBlock);
+    for (Index h = 0; h < hkv; ++h) {
+      fill_rows(k.middleRows(h * len, len), mix_seed(7, block, 2 * h), true);
+      fill_rows(v.middleRows(h * len, len), mix_seed(7, block, 2 * h + 1), false);
+    }
+    layer.absorb(k.topRows(hkv * len), v.topRows(hkv * len));
+    cache.ctx = t0 + len;  // kept exact even if a later block throws
+  }
+  return layer;
+}
+
+// Decode: one MultiHead::step (one token for every head) per iteration, on a copy of the
+// absorbed context. Every `restore_every` steps the states are put back to the context
+// (untimed), so the context stays within restore_every tokens of ctx: that matters for
+// self-attention, whose cache grows by a row per step; restore_every <= 0 never restores
+// (fixed-size states). Tokens cycle through a pool made before the timed loop.
+template <class Mixer>
+void run_decode(benchmark::State& st, const Mixer& mixer, const ovq::MultiHead<Mixer>& context,
+                Index hq, Index restore_every, double flops_per_step) {
+  ovq::MultiHead<Mixer> layer(mixer, 1, hq, context.states());
+  layer.set_threads(configured_threads());
+  const Index hkv = layer.kv_heads();
+  const Index dk = layer.key_dim();
+  const Index dv = layer.value_dim();
+  constexpr Index kPool = 64;
+  Matrix q(kPool * hq, dk), k(kPool * hkv, dk), v(kPool * hkv, dv);
+  fill_rows(q, mix_seed(9, 1), true);
+  fill_rows(k, mix_seed(9, 2), true);
+  fill_rows(v, mix_seed(9, 3), false);
+  Matrix o = Matrix::Zero(hq, dv);
+  Index since_restore = 0;
+  Index j = 0;
+  for (auto _ : st) {
+    if (restore_every > 0 && since_restore == restore_every) {
+      st.PauseTiming();
+      layer.states() = context.states();
+      since_restore = 0;
+      st.ResumeTiming();
+    }
+    layer.step(q.middleRows(j * hq, hq), k.middleRows(j * hkv, hkv), v.middleRows(j * hkv, hkv), o);
+    benchmark::DoNotOptimize(o.data());
+    benchmark::ClobberMemory();
+    ++since_restore;
+    j = (j + 1) % kPool;
+  }
+  report(st, flops_per_step, static_cast<double>(layer.bytes()), 1.0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// main
+// ---------------------------------------------------------------------------------------------
+
+inline int run_main(int argc, char** argv, const std::function<void()>& register_cases) {
+  apply_threads(parse_threads(argc, argv));
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::AddCustomContext("ovq_version", std::to_string(OVQ_VERSION_MAJOR) + "." +
+                                                 std::to_string(OVQ_VERSION_MINOR) + "." +
+                                                 std::to_string(OVQ_VERSION_PATCH));
+  benchmark::AddCustomContext("ovq_threads", std::to_string(configured_threads()));
+#if defined(OVQ_HAS_OPENMP)
+  benchmark::AddCustomContext("ovq_openmp", "yes");
+#else
+  benchmark::AddCustomContext("ovq_openmp", "no");
+#endif
+#if defined(OVQ_ARCH_AVX512)
+  benchmark::AddCustomContext("ovq_arch", "avx512");
+#elif defined(OVQ_ARCH_AVX2)
+  benchmark::AddCustomContext("ovq_arch", "avx2");
+#elif defined(OVQ_ARCH_NEON)
+  benchmark::AddCustomContext("ovq_arch", "neon");
+#else
+  benchmark::AddCustomContext("ovq_arch", "portable");
+#endif
+  benchmark::AddCustomContext("eigen_simd", Eigen::SimdInstructionSetsInUse());
+  // First, so that every later case divides by this run's own rate.
+  benchmark::RegisterBenchmark("BM_Peak_sgemm", BM_Peak_sgemm)
+      ->Unit(benchmark::kMillisecond)
+      ->UseRealTime();
+  register_cases();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
+
+}  // namespace ovq_bench

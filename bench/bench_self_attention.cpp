@@ -1,0 +1,56 @@
+// Causal self-attention (MATH.md 1): prefill and decode through MultiHead, batch 1.
+//
+//   BM_SelfAttention_prefill/T:<T>/d:<d>/H:<H>          T = 512 ... 65536, d = 64, 128;
+//                                                       H = 8, and 2 from T = 32768 on
+//   BM_SelfAttention_prefill/T:<T>/d:128/Hq:32/Hkv:8    grouped queries
+//   BM_SelfAttention_decode/ctx:<C>/d:128/H:8           C = 1k ... 64k
+//   BM_SelfAttention_decode/ctx:<C>/d:128/Hq:32/Hkv:8
+//
+// Prefill is quadratic: T = 65536 at 8 heads needs 2 * 65536^2 / 2 * 256 * 8 = 4.4 TFLOP, so the
+// longest cases run 2 heads (one per core of a 2-core machine; compare per head and token).
+// Decode appends a row per step: the cache is put back to C rows every max(32, C / 32) steps,
+// so it stays within 3% of C (and within 32 rows at C = 1k).
+#include "bench_common.hpp"
+
+namespace {
+
+using namespace ovq_bench;
+using Mixer = ovq::SelfAttention<float>;
+
+void prefill_case(Index tokens, Index d, Index hq, Index hkv) {
+  add_case(case_name("BM_SelfAttention_prefill", {{"T", tokens}, {"d", d}}, hq, hkv),
+           [=](benchmark::State& st) {
+             ovq::MultiHead<Mixer> layer(Mixer{}, 1, hq, hkv, d, d);
+             run_prefill(st, layer, tokens, flops::self_prefill(tokens, d, d, hq));
+           });
+}
+
+void decode_case(Index ctx, Index d, Index hq, Index hkv) {
+  add_case(case_name("BM_SelfAttention_decode", {{"ctx", ctx}, {"d", d}}, hq, hkv),
+           [=](benchmark::State& st) {
+             const Mixer mixer{};
+             const auto& context = absorbed_context<Mixer>(
+                 "self/d:" + std::to_string(d) + "/Hkv:" + std::to_string(hkv), ctx,
+                 [&] { return ovq::MultiHead<Mixer>(mixer, 1, hkv, hkv, d, d); });
+             const Index restore = std::max<Index>(32, ctx / 32);
+             // The cache holds ctx ... ctx + restore - 1 rows: on average ctx + (restore - 1) / 2.
+             const double rows = static_cast<double>(ctx) + static_cast<double>(restore - 1) / 2.0;
+             run_decode(st, mixer, context, hq, restore, flops::self_decode(rows, d, d, hq));
+           });
+}
+
+void register_cases() {
+  for (Index d : {64, 128}) {
+    for (Index t = 512; t <= 65536; t *= 2)
+      prefill_case(t, d, t >= 32768 ? 2 : 8, t >= 32768 ? 2 : 8);
+  }
+  for (Index t : {1024, 4096}) prefill_case(t, 128, 32, 8);
+  for (Index ctx : {1024, 4096, 16384, 65536}) {
+    decode_case(ctx, 128, 8, 8);
+    decode_case(ctx, 128, 32, 8);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return ovq_bench::run_main(argc, argv, register_cases); }
