@@ -19,18 +19,17 @@ import sys
 # Targets of the headline table: the bar this project sets itself for fp32 on the benchmark
 # machine (2 cores). Ratios are measured against cases of the same run.
 TARGETS = {
-    "self_frac_d128": 0.50,  # self-attention prefill, T=4096 d=128 H=8: frac_sgemm >=
-    "self_frac_d64": 0.40,  # same at d=64: smaller tiles, frac_sgemm >=
-    "ovq_frac": 0.40,  # OVQ prefill T=32768 N=2048 L=128 d=128 H=8: frac_sgemm >=
-    # OVQ time per token, T=65536 over T=16384: <= this factor times the FLOPs-per-token ratio
-    # of the two cases (the dictionary is fuller on the longer stream: about 1.22 at N=2048).
-    "ovq_linear_in_t": 1.10,
+    # The performance issue's bar (fp32, 2 threads, Release, ratios from one run).
+    "self_frac_d128": 0.70,  # self-attention prefill, causal, T=4096 d=128 H=8: frac_sgemm >=
+    "self_frac_d64": 0.60,  # same at d=64: frac_sgemm >=
+    "ovq_frac": 0.60,  # OVQ prefill T=32768 N=2048 L=128 d=128 H=8: frac_sgemm >=
+    "ovq_linear_in_t": 1.10,  # OVQ time per token, T=65536 over T=16384: <=
     "ovq_vs_self_prefill": 4.0,  # self-attention / OVQ prefill time per head at T=32768: >=
-    "linear_frac": 0.30,  # linear chunked prefill T=2048 d=128 H=8, best chunk: frac_sgemm >=
-    "gqa_decode": 2.0,  # self-attention decode Hq/Hkv = 32/8 over 8/8 at ctx 4096: <=
-    "ovq_decode_flat": 1.5,  # OVQ decode N=2048, ctx 64k over ctx 4k: <=
+    "linear_frac": 0.50,  # linear chunked prefill T=2048 d=128 H=8, best chunk: frac_sgemm >=
+    "gqa_decode": 1.3,  # self-attention decode Hq/Hkv = 32/8 over 8/8 at ctx 4096: <=
+    "ovq_decode_flat": 1.10,  # OVQ decode N=2048, ctx 64k over ctx 4k: <=
     "ovq_vs_self_decode": 10.0,  # self-attention / OVQ decode step at ctx 64k: >=
-    "threads": 1.7,  # prefill, 2 threads over 1 thread, every measured case: >=
+    "threads": 1.8,  # prefill, 2 threads over 1 thread, every measured case: >=
 }
 
 MIXERS = [
@@ -206,14 +205,15 @@ def headline(main, threads1, memory):
                         for t in (65536, 16384))
         if long_ and short:
             break
-    v, detail, target, limit = None, "", f"<= {TARGETS['ovq_linear_in_t']} x FLOPs ratio", None
+    limit = TARGETS["ovq_linear_in_t"]
+    v, detail, target = None, "", f"<= {limit}"
     if long_ and short:
         v = (long_.time_ms / 65536) / (short.time_ms / 16384)
+        # The dictionary is still growing between the two (G(16384) < G(65536) < N), so the
+        # FLOPs per token differ a little too: shown for context, not used in the verdict.
         fr = (long_.flops() / 65536) / (short.flops() / 16384)
-        limit = TARGETS["ovq_linear_in_t"] * fr
-        target = f"<= {fmt(limit)} ({TARGETS['ovq_linear_in_t']} x FLOPs/token ratio {fmt(fr)})"
         detail = (f" ({fmt(long_.time_ms / 65536 * 1e3)} vs {fmt(short.time_ms / 16384 * 1e3)} "
-                  f"us/token)")
+                  f"us/token; FLOPs/token ratio {fmt(fr)})")
     rows.append(("OVQ prefill time per token, T=65536 vs T=16384 (N=2048 L=128 d=128%s)"
                  % (f" H={long_.hq}" if long_ and short else ""),
                  fmt(v) + detail, target,
