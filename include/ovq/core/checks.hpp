@@ -59,4 +59,11 @@ inline void check_positive(const char* where, const char* name, Index value) {
   }
 }
 
+// The same check, returning the value: for member initialisers, so that no storage is sized
+// from a bad value before the check runs.
+inline Index positive(const char* where, const char* name, Index value) {
+  check_positive(where, name, value);
+  return value;
+}
+
 }  // namespace ovq::detail

@@ -26,13 +26,11 @@ class Dictionary {
 
   Dictionary() = default;
   Dictionary(Index capacity, Index dk, Index dv)
-      : keys_(capacity, dk),
-        values_(capacity, dv),
+      : keys_(detail::positive("Dictionary", "capacity", capacity),
+              detail::positive("Dictionary", "dk", dk)),
+        values_(capacity, detail::positive("Dictionary", "dv", dv)),
         counts_(static_cast<std::size_t>(capacity), 0),
         log_counts_(static_cast<std::size_t>(capacity), kNegInf) {
-    detail::check_positive("Dictionary", "capacity", capacity);
-    detail::check_positive("Dictionary", "dk", dk);
-    detail::check_positive("Dictionary", "dv", dv);
     keys_.setZero();
     values_.setZero();
   }
@@ -70,6 +68,9 @@ class Dictionary {
 
   // Opens row n with the given key and value and a count of `count`.
   void push(const Scalar* k, const Scalar* v, std::int64_t count = 0) {
+    detail::require(size_ < capacity(), "Dictionary::push", "dictionary is full (capacity ",
+                    capacity(), "), expected a free row");
+    detail::require(count >= 0, "Dictionary::push", "count = ", count, ", expected >= 0");
     const Index r = size_++;
     std::copy(k, k + key_dim(), keys_.row(r).data());
     std::copy(v, v + value_dim(), values_.row(r).data());

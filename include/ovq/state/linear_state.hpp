@@ -16,9 +16,9 @@ class LinearState {
   using scalar_type = Scalar;
 
   LinearState() = default;
-  LinearState(Index dk, Index dv) : kv_(dk, dv), k_sum_(dk) {
-    detail::check_positive("LinearState", "dk", dk);
-    detail::check_positive("LinearState", "dv", dv);
+  LinearState(Index dk, Index dv)
+      : kv_(detail::positive("LinearState", "dk", dk), detail::positive("LinearState", "dv", dv)),
+        k_sum_(dk) {
     reset();
   }
 

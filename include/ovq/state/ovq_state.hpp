@@ -21,8 +21,9 @@ class OvqState {
 
   OvqState() = default;
   OvqState(Index capacity, Index chunk, Index dk, Index dv)
-      : dictionary_(capacity, dk, dv), pending_keys_(chunk, dk), pending_values_(chunk, dv) {
-    detail::check_positive("OvqState", "chunk", chunk);
+      : dictionary_(capacity, dk, dv),
+        pending_keys_(detail::positive("OvqState", "chunk", chunk), dk),
+        pending_values_(chunk, dv) {
     pending_keys_.setZero();
     pending_values_.setZero();
   }
@@ -46,8 +47,13 @@ class OvqState {
     return {pending_values_.data(), pending_, value_dim(), value_dim()};
   }
 
-  // Appends rows to the pending buffer; the caller keeps pending() + rows <= chunk().
+  // Appends rows to the pending buffer, at most chunk() - pending() of them.
   void push_pending(ConstRowsView<Scalar> k, ConstRowsView<Scalar> v) {
+    const char* where = "OvqState::push_pending";
+    detail::require(k.rows <= chunk() - pending_, where, "K has ", k.rows,
+                    " rows, expected at most ", chunk() - pending_, " (free pending rows)");
+    detail::check_cols(where, "K", k.cols, key_dim(), "the state's dk");
+    detail::check_shape(where, "V", v.rows, v.cols, k.rows, value_dim());
     for (Index i = 0; i < k.rows; ++i, ++pending_) {
       std::copy(k.row(i), k.row(i) + key_dim(), pending_keys_.row(pending_).data());
       std::copy(v.row(i), v.row(i) + value_dim(), pending_values_.row(pending_).data());
@@ -60,6 +66,10 @@ class OvqState {
   }
   // Restores t and the pending rows exactly (loading a saved state).
   void restore(std::int64_t absorbed, ConstRowsView<Scalar> k, ConstRowsView<Scalar> v) {
+    detail::require(absorbed >= 0 && absorbed % chunk() == 0, "OvqState::restore", "t = ",
+                    absorbed, ", expected a multiple of the chunk ", chunk(), " >= 0");
+    detail::require(k.rows < chunk(), "OvqState::restore", "pending rows = ", k.rows,
+                    ", expected < chunk = ", chunk());
     absorbed_ = absorbed;
     pending_ = 0;
     push_pending(k, v);

@@ -19,7 +19,10 @@ class VqState {
   VqState() = default;
   // codebook: S x dk, finite.
   VqState(ConstRowsView<Scalar> codebook, Index dv)
-      : dictionary_(codebook.rows, codebook.cols, dv), neg_half_norms_(codebook.rows) {
+      : dictionary_(detail::positive("VqState", "codebook rows", codebook.rows),
+                    detail::positive("VqState", "codebook columns", codebook.cols),
+                    detail::positive("VqState", "dv", dv)),
+        neg_half_norms_(codebook.rows) {
     detail::check_finite<Scalar>("VqState", "codebook", codebook);
     RowVector<Scalar> zero = RowVector<Scalar>::Zero(dv);
     for (Index s = 0; s < codebook.rows; ++s) {
