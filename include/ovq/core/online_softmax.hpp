@@ -2,8 +2,10 @@
 // The online-softmax state (o, m, l) of one query row: the common currency of every read.
 //
 // Over the logits s_j seen so far, m = max_j s_j, l = sum_j exp(s_j - m) and
-// o = sum_j exp(s_j - m) u_j (not yet divided by l). Two states over disjoint sets of rows
-// merge exactly, which is what lets a read be tiled, and split across threads for decoding.
+// o = sum_j exp(s_j - m) u_j / l, the softmax average itself. Keeping o normalised (rather than
+// the running sum) keeps every partial result a convex combination of values, so it cannot
+// overflow whatever the number of rows. Two states over disjoint sets of rows merge exactly,
+// which is what lets a read be tiled, and split across threads for decoding.
 #include <cmath>
 #include <limits>
 
@@ -31,10 +33,12 @@ OVQ_HOST_DEVICE void merge_softmax(Scalar* o_a, SoftmaxStats<Scalar>& a, const S
     return;
   }
   const Scalar m = a.m > b.m ? a.m : b.m;
-  const Scalar sa = std::exp(a.m - m);
-  const Scalar sb = std::exp(b.m - m);
-  for (Index d = 0; d < dim; ++d) o_a[d] = o_a[d] * sa + o_b[d] * sb;
-  a.l = a.l * sa + b.l * sb;
+  const Scalar la = a.l * std::exp(a.m - m);
+  const Scalar lb = b.l * std::exp(b.m - m);
+  const Scalar l = la + lb;
+  const Scalar wa = la / l, wb = lb / l;
+  for (Index d = 0; d < dim; ++d) o_a[d] = o_a[d] * wa + o_b[d] * wb;
+  a.l = l;
   a.m = m;
 }
 

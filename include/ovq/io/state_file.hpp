@@ -123,7 +123,7 @@ class Reader {
   // rows x cols finite scalars; the size is checked against the bytes left before allocating.
   template <class Scalar>
   RowMatrix<Scalar> get_rows(std::int64_t rows, std::int64_t cols, const char* field) {
-    need(static_cast<std::size_t>(rows) * static_cast<std::size_t>(cols) * sizeof(Scalar), field);
+    need_items(rows, cols, sizeof(Scalar), field);
     RowMatrix<Scalar> m(rows, cols);
     for (Index i = 0; i < rows; ++i) {
       for (Index j = 0; j < cols; ++j) {
@@ -135,6 +135,17 @@ class Reader {
       }
     }
     return m;
+  }
+
+  // a x b items of `size` bytes each, computed without wrapping around (dimensions up to 2^31
+  // make a product past 64 bits).
+  void need_items(std::int64_t a, std::int64_t b, std::size_t size, const char* field) const {
+    const long double bytes = static_cast<long double>(a) * static_cast<long double>(b) *
+                              static_cast<long double>(size);
+    if (bytes > static_cast<long double>(remaining())) {
+      throw FormatError(detail::concat("state file: truncated payload: ", field, " needs ", a,
+                                       " x ", b, " x ", size, " bytes, ", remaining(), " left"));
+    }
   }
 
   void need(std::size_t n, const char* field) const {
@@ -283,7 +294,7 @@ LinearState<S> get_state(Reader& r, const LinearAttention<S, A>& mixer) {
   const auto dv = r.get_dim("dv", 1);
   const auto tokens = r.get<std::int64_t>("tokens");
   if (tokens < 0) invalid(detail::concat("tokens = ", tokens, ", expected >= 0"));
-  r.need(static_cast<std::size_t>(dk) * static_cast<std::size_t>(dv + 1) * sizeof(S), "S and z");
+  r.need_items(dk, dv + 1, sizeof(S), "S and z");
   LinearState<S> state = mixer.make_state(dk, dv);
   state.kv() = r.get_rows<S>(dk, dv, "S");
   state.k_sum() = r.get_rows<S>(1, dk, "z");
@@ -317,7 +328,7 @@ VqState<S> get_state(Reader& r, const VqAttention<S, A>& mixer) {
   const auto codes = r.get_dim("codebook size", 1);
   const auto dk = r.get_dim("dk", 1);
   const auto dv = r.get_dim("dv", 1);
-  r.need(static_cast<std::size_t>(codes) * static_cast<std::size_t>(dk + dv), "codebook");
+  r.need_items(codes, dk + dv, sizeof(S), "codebook and mean values");
   const RowMatrix<S> codebook = r.get_rows<S>(codes, dk, "codebook");
   const RowMatrix<S> values = r.get_rows<S>(codes, dv, "mean values");
   VqState<S> state = mixer.make_state(codebook, dv);
@@ -361,7 +372,7 @@ OvqState<S> get_state(Reader& r, const OvqAttention<S, A>& mixer) {
     invalid(detail::concat("t = ", t, ", expected a multiple of the chunk ", chunk, " >= 0"));
   if ((t == 0) != (n == 0))
     invalid(detail::concat("n = ", n, " with t = ", t, ", expected n = 0 exactly when t = 0"));
-  r.need(static_cast<std::size_t>(n) * static_cast<std::size_t>(dk + dv) * sizeof(S), "dictionary");
+  r.need_items(n, dk + dv, sizeof(S), "dictionary");
   const RowMatrix<S> keys = r.get_rows<S>(n, dk, "D_k");
   const RowMatrix<S> values = r.get_rows<S>(n, dv, "D_v");
   OvqState<S> state = mixer.make_state(dk, dv);

@@ -106,7 +106,7 @@ void ovq_write_chunk(Dictionary<Scalar>& dict, std::int64_t absorbed, ConstRowsV
     dict.set_count(r, dict.count(r) + groups.members(g));
     if (params.renormalize) {
       auto row = row_map(dict.keys(), r);
-      const Scalar norm = row.norm();
+      const Scalar norm = row.stableNorm();  // no overflow for keys near the largest value
       if (norm > Scalar(0)) row /= norm;
     }
   }

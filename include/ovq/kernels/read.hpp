@@ -113,11 +113,16 @@ struct TileBuffers {
 
 // Folds key rows [k0, k0 + bk) of `block` into the tile of stacked rows [0, bq); stacked row r
 // is at position p0 + r / heads. Cost: 2 bq bk (dk + dv) flops + bq bk exps.
+//
+// Logits are saturated to the finite range (an overflowing product of finite inputs, or the
+// NaN of inf - inf inside one, becomes +-max), and the accumulator holds the softmax average so
+// far, not the sum: outputs are finite for every finite input.
 template <class Scalar, class Ops>
 void fold_key_tile(const KeyBlock<Scalar>& block, Index k0, Index p0, Index heads, Index bq,
                    Index dk, Index dv, Scalar beta, TileBuffers<Scalar>& buf) {
   constexpr Index kTile = Ops::kKeyTile;
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
+  constexpr Scalar kMax = std::numeric_limits<Scalar>::max();
   const Index bk = std::min(kTile, block.keys.rows - k0);
   Scalar* s = buf.scores.data();
   if (block.panels != nullptr) {
@@ -137,7 +142,13 @@ void fold_key_tile(const KeyBlock<Scalar>& block, Index k0, Index p0, Index head
     if (block.bias != nullptr)
       for (Index j = lo; j < hi; ++j) row[j] += block.bias[k0 + j];
     Scalar tile_max = kNegInf;
-    for (Index j = lo; j < hi; ++j) tile_max = std::max(tile_max, row[j]);
+    for (Index j = lo; j < hi; ++j) {
+      Scalar x = row[j];
+      if (!(x >= -kMax)) x = -kMax;  // -inf from overflow, or NaN
+      if (x > kMax) x = kMax;
+      row[j] = x;
+      tile_max = std::max(tile_max, x);
+    }
     SoftmaxStats<Scalar>& st = buf.stats[static_cast<std::size_t>(r)];
     const Scalar m_new = std::max(st.m, tile_max);
     if (m_new == kNegInf) {  // nothing visible so far: this tile adds nothing to row r
@@ -145,13 +156,17 @@ void fold_key_tile(const KeyBlock<Scalar>& block, Index k0, Index p0, Index head
       continue;
     }
     const Scalar sum = Ops::exp_sum(row, bk, m_new);
-    if (st.m != m_new) {
-      const Scalar rescale = std::exp(st.m - m_new);
+    // New average = old average * (l_old rescaled / l_new) + (P / l_new) V.
+    const Scalar l_kept = st.m == m_new ? st.l : st.l * std::exp(st.m - m_new);
+    const Scalar l_new = l_kept + sum;
+    const Scalar keep = l_kept / l_new;
+    const Scalar inv = Scalar(1) / l_new;
+    if (keep != Scalar(1)) {
       Scalar* acc = buf.acc.data() + r * dv;
-      for (Index c = 0; c < dv; ++c) acc[c] *= rescale;
-      st.l *= rescale;
+      for (Index c = 0; c < dv; ++c) acc[c] *= keep;
     }
-    st.l += sum;
+    for (Index j = 0; j < bk; ++j) row[j] *= inv;
+    st.l = l_new;
     st.m = m_new;
   }
   Ops::accumulate(s, bq, bk, block.values.row(k0), block.values.stride, dv, buf.acc.data(), dv);
@@ -236,11 +251,9 @@ void read(const ConstRowsView<Scalar>* q, Index heads, const MemoryRows<Scalar>&
     for (Index i = 0; i < np; ++i) {
       for (Index h = 0; h < heads; ++h) {
         const Index r = i * heads + h;
-        const SoftmaxStats<Scalar>& st = buf.stats[static_cast<std::size_t>(r)];
-        const Scalar inv = st.empty() ? Scalar(0) : Scalar(1) / st.l;
+        // The accumulator already is the average (zero when no row was visible).
         const Scalar* acc = buf.acc.data() + r * dv;
-        Scalar* out = o[h].row(i0 + i);
-        for (Index c = 0; c < dv; ++c) out[c] = acc[c] * inv;
+        std::copy(acc, acc + dv, o[h].row(i0 + i));
       }
     }
   };

@@ -7,7 +7,9 @@
 //             float precision when c_r is large)
 //   constant: D[r] = (1 - eta) D[r] + eta * mean_{a_i = r} x_i
 // Shapes: D (n x d), x (L x d), a (L), counts (n, before the update). Cost: O(L d).
+#include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "ovq/core/types.hpp"
@@ -47,32 +49,41 @@ struct AssignmentGroups {
   }
 };
 
+// Sums of members are formed in a wider type (double for float, long double for double), so
+// that L keys near the largest finite value still average to a finite centroid.
+template <class Scalar>
+using WideAccumulator = std::conditional_t<std::is_same_v<Scalar, float>, double, long double>;
+
 template <class Scalar>
 void scatter_mean_update(RowsView<Scalar> dict, const std::int64_t* counts_before,
                          const AssignmentGroups& groups, ConstRowsView<Scalar> x,
                          const UpdateRate& rate) {
+  using Wide = WideAccumulator<Scalar>;
   const Index d = dict.cols;
-  RowVector<Scalar> sum(d);
+  std::vector<Wide> sum(static_cast<std::size_t>(d));
   for (Index g = 0; g < groups.size(); ++g) {
     const Index r = groups.rows[static_cast<std::size_t>(g)];
     const Index cnt = groups.members(g);
-    sum.setZero();
+    std::fill(sum.begin(), sum.end(), Wide(0));
     for (Index m = groups.begin[static_cast<std::size_t>(g)];
          m < groups.begin[static_cast<std::size_t>(g) + 1]; ++m) {
       const Scalar* row = x.row(groups.order[static_cast<std::size_t>(m)]);
-      for (Index c = 0; c < d; ++c) sum[c] += row[c];
+      for (Index c = 0; c < d; ++c) sum[static_cast<std::size_t>(c)] += row[c];
     }
     Scalar* target = dict.row(r);
     if (rate.kind == UpdateRate::Kind::adaptive) {
-      const Scalar inv_total =
-          Scalar(1) / static_cast<Scalar>(static_cast<double>(counts_before[r] + cnt));
-      const Scalar n_new = static_cast<Scalar>(cnt);
-      for (Index c = 0; c < d; ++c) target[c] += (sum[c] - n_new * target[c]) * inv_total;
+      const Wide inv_total = Wide(1) / static_cast<Wide>(counts_before[r] + cnt);
+      const Wide n_new = static_cast<Wide>(cnt);
+      for (Index c = 0; c < d; ++c) {
+        const Wide t = target[c];
+        target[c] = static_cast<Scalar>(t + (sum[static_cast<std::size_t>(c)] - n_new * t) * inv_total);
+      }
     } else {
-      const Scalar eta = static_cast<Scalar>(rate.eta);
-      const Scalar inv_cnt = Scalar(1) / static_cast<Scalar>(cnt);
+      const Wide eta = static_cast<Wide>(rate.eta);
+      const Wide inv_cnt = Wide(1) / static_cast<Wide>(cnt);
       for (Index c = 0; c < d; ++c)
-        target[c] = (Scalar(1) - eta) * target[c] + eta * (sum[c] * inv_cnt);
+        target[c] = static_cast<Scalar>((Wide(1) - eta) * target[c] +
+                                        eta * (sum[static_cast<std::size_t>(c)] * inv_cnt));
     }
   }
 }
