@@ -1,49 +1,50 @@
 #pragma once
-// A synthetic in-context recall task: M key/value "facts" hidden in a stream of filler tokens,
-// then queried with noisy copies of their keys. Used by examples/ovq_demo.cpp (and by tests).
+// In-context recall: M key/value "facts" hidden in a long stream of filler tokens, then queried
+// with noisy copies of their keys (docs/study.md, task R).
 //
-// Stream (the context), T tokens, dk-dimensional keys and dv-dimensional values:
-//   - filler ("distractor") tokens: key = normalise(u_c + distractor_noise * g / sqrt(dk)) with
-//     u_c one of `directions` shared random unit directions (c uniform), g ~ N(0, I); value a
-//     random unit vector. Like filler text, most keys fall near a few directions.
-//   - M fact tokens at M distinct random positions: key a random unit vector, value a random unit
-//     vector. A candidate fact key is redrawn while its cosine with a distractor direction or an
-//     earlier fact key exceeds max_fact_cosine, so that every fact is answerable in principle.
-// Queries, Q of them, read after the context: fact f uniform in [0, M),
-//   query = normalise(fact_key[f] + query_noise * g / sqrt(dk)); the right answer is value[f].
+// World (world_seed): `directions` shared random unit directions u_c. Filler keys crowd them, as
+// the keys of filler text crowd a few directions. Streams of one world share the directions and
+// differ in everything else, so a codebook fitted on one stream (calibration) has seen the
+// filler distribution of another, but never its facts.
 //
-// Reproducible: one std::mt19937_64 seeded with `seed`, std::normal_distribution<double> for
-// every Gaussian draw (same sequence for the same seed and standard library); integer draws use
-// the generator's raw output. Everything is generated in double and rounded once to Scalar.
-#include <Eigen/Core>
+// Stream (seed), T tokens, dk-dimensional keys, dv-dimensional values:
+//   - filler tokens: key = normalise(u_c + distractor_noise * g / sqrt(dk)), c uniform, g ~ N(0, I);
+//     value a random unit vector;
+//   - M fact tokens at M distinct uniform positions: key a random unit vector, redrawn while its
+//     |cosine| with a direction, or its cosine with an earlier fact key, exceeds max_fact_cosine;
+//     value a random unit vector.
+// Queries, Q of them, read after the stream: fact f uniform in [0, M),
+//   query = normalise(fact_key[f] + query_noise * g / sqrt(dk)); the answer is fact_value[f].
+// Score: a query is right when its output is nearest, by cosine, to the right fact value among
+// all M fact values (chance 1 / M).
 #include <algorithm>
 #include <cmath>
-#include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <numeric>
-#include <random>
 #include <stdexcept>
 #include <vector>
 
+#include "common.hpp"
+
 namespace recall {
 
-using Index = std::ptrdiff_t;
-
+using tasks::Index;
 template <class Scalar>
-using Rows = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using Rows = tasks::Rows<Scalar>;
 
 struct TaskConfig {
-  Index key_dim = 64;           // dk
-  Index value_dim = 64;         // dv
-  Index context = 2048;         // T, tokens in the stream, facts included
-  Index facts = 128;            // M
-  Index queries = 256;          // Q
-  Index directions = 4;         // shared distractor directions
+  Index key_dim = 64;     // dk
+  Index value_dim = 64;   // dv
+  Index context = 2048;   // T, tokens in the stream, facts included
+  Index facts = 128;      // M
+  Index queries = 256;    // Q
+  Index directions = 4;   // shared filler directions
   double distractor_noise = 0.3;
   double query_noise = 0.25;
   double max_fact_cosine = 0.5;
-  std::uint64_t seed = 1;
+  std::uint64_t world_seed = 1;  // the filler directions
+  std::uint64_t seed = 1;        // everything else
 
   void validate() const {
     if (key_dim < 2 || value_dim < 1 || context < 1 || facts < 1 || queries < 0 ||
@@ -59,68 +60,31 @@ struct TaskConfig {
 template <class Scalar = float>
 struct Task {
   TaskConfig config;
-  Rows<Scalar> keys;                // T x dk, the context's keys (unit rows)
-  Rows<Scalar> values;              // T x dv
-  std::vector<Index> fact_position;  // M, the stream position of fact f (random order)
-  Rows<Scalar> fact_keys;           // M x dk
-  Rows<Scalar> fact_values;         // M x dv
-  Rows<Scalar> queries;             // Q x dk (unit rows)
-  std::vector<Index> query_fact;    // Q, the fact each query asks for
+  Rows<Scalar> directions;           // directions x dk, the world's filler directions
+  Rows<Scalar> keys;                 // T x dk, the stream's keys (unit rows)
+  Rows<Scalar> values;               // T x dv
+  std::vector<Index> fact_position;  // M, the stream position of fact f
+  Rows<Scalar> fact_keys;            // M x dk
+  Rows<Scalar> fact_values;          // M x dv
+  Rows<Scalar> queries;              // Q x dk (unit rows)
+  std::vector<Index> query_fact;     // Q, the fact each query asks for
 };
-
-namespace detail {
-
-class Draw {
- public:
-  explicit Draw(std::uint64_t seed) : rng_(seed) {}
-
-  // Uniform in [0, n), n >= 1 (rejection sampling on the raw 64-bit output: no modulo bias).
-  Index below(Index n) {
-    const std::uint64_t un = static_cast<std::uint64_t>(n);
-    const std::uint64_t limit = std::numeric_limits<std::uint64_t>::max() -
-                                std::numeric_limits<std::uint64_t>::max() % un;
-    std::uint64_t x;
-    do x = rng_();
-    while (x >= limit);
-    return static_cast<Index>(x % un);
-  }
-
-  Eigen::VectorXd gaussian(Index d) {
-    Eigen::VectorXd g(d);
-    for (Index i = 0; i < d; ++i) g[i] = normal_(rng_);
-    return g;
-  }
-
-  Eigen::VectorXd unit(Index d) {
-    Eigen::VectorXd g = gaussian(d);
-    return g / g.norm();
-  }
-
-  // normalise(center + noise * g / sqrt(d))
-  Eigen::VectorXd near(const Eigen::VectorXd& center, double noise) {
-    const Index d = center.size();
-    Eigen::VectorXd x = center + (noise / std::sqrt(static_cast<double>(d))) * gaussian(d);
-    return x / x.norm();
-  }
-
- private:
-  std::mt19937_64 rng_;
-  std::normal_distribution<double> normal_{0.0, 1.0};
-};
-
-}  // namespace detail
 
 template <class Scalar = float>
 Task<Scalar> make_task(const TaskConfig& cfg) {
   cfg.validate();
-  detail::Draw draw(cfg.seed);
   const Index dk = cfg.key_dim, dv = cfg.value_dim, T = cfg.context, M = cfg.facts;
 
+  tasks::Draw world(tasks::derive_seed(cfg.world_seed, 0x77));
   std::vector<Eigen::VectorXd> dirs;
-  for (Index c = 0; c < cfg.directions; ++c) dirs.push_back(draw.unit(dk));
+  for (Index c = 0; c < cfg.directions; ++c) dirs.push_back(world.unit(dk));
 
+  tasks::Draw draw(tasks::derive_seed(cfg.seed, 0x5e));
   Task<Scalar> task;
   task.config = cfg;
+  task.directions.resize(cfg.directions, dk);
+  for (Index c = 0; c < cfg.directions; ++c)
+    task.directions.row(c) = dirs[static_cast<std::size_t>(c)].transpose().template cast<Scalar>();
   task.keys.resize(T, dk);
   task.values.resize(T, dv);
   task.fact_keys.resize(M, dk);
@@ -135,7 +99,6 @@ Task<Scalar> make_task(const TaskConfig& cfg) {
     task.values.row(t) = draw.unit(dv).transpose().template cast<Scalar>();
   }
 
-  // Fact keys: random unit vectors, redrawn while too close to a direction or an earlier fact.
   std::vector<Eigen::VectorXd> fkeys;
   for (Index f = 0; f < M; ++f) {
     for (int attempt = 0;; ++attempt) {
@@ -174,8 +137,9 @@ Task<Scalar> make_task(const TaskConfig& cfg) {
   for (Index i = 0; i < cfg.queries; ++i) {
     const Index f = draw.below(M);
     task.query_fact[static_cast<std::size_t>(i)] = f;
-    task.queries.row(i) =
-        draw.near(fkeys[static_cast<std::size_t>(f)], cfg.query_noise).transpose().template cast<Scalar>();
+    task.queries.row(i) = draw.near(fkeys[static_cast<std::size_t>(f)], cfg.query_noise)
+                              .transpose()
+                              .template cast<Scalar>();
   }
   return task;
 }
@@ -183,14 +147,14 @@ Task<Scalar> make_task(const TaskConfig& cfg) {
 // Index of the fact value nearest (by cosine) to `out`; -1 for a zero or non-finite output.
 template <class Scalar, class Row>
 Index nearest_fact(const Task<Scalar>& task, const Row& out) {
-  const double norm = out.template cast<double>().norm();
+  const Eigen::RowVectorXd o = out.template cast<double>();
+  const double norm = o.norm();
   if (!(norm > 0) || !std::isfinite(norm)) return -1;
   Index best = -1;
   double best_cos = -std::numeric_limits<double>::infinity();
   for (Index f = 0; f < task.fact_values.rows(); ++f) {
-    const double c = task.fact_values.row(f).template cast<double>().dot(
-                         out.template cast<double>()) /
-                     (task.fact_values.row(f).template cast<double>().norm() * norm);
+    const Eigen::RowVectorXd v = task.fact_values.row(f).template cast<double>();
+    const double c = v.dot(o) / (v.norm() * norm);
     if (c > best_cos) {
       best_cos = c;
       best = f;
@@ -199,15 +163,26 @@ Index nearest_fact(const Task<Scalar>& task, const Row& out) {
   return best;
 }
 
-// Fraction of queries whose output row (outputs: Q x dv) is nearest to the right fact value.
+// Per query (outputs: Q x dv): 1 when the output is nearest to the right fact value.
+template <class Scalar>
+std::vector<char> correct(const Task<Scalar>& task, const Rows<Scalar>& outputs) {
+  const Index Q = task.queries.rows();
+  if (outputs.rows() != Q || outputs.cols() != task.fact_values.cols())
+    throw std::invalid_argument("recall::correct: outputs shape");
+  std::vector<char> right(static_cast<std::size_t>(Q));
+  for (Index i = 0; i < Q; ++i)
+    right[static_cast<std::size_t>(i)] =
+        nearest_fact(task, outputs.row(i)) == task.query_fact[static_cast<std::size_t>(i)];
+  return right;
+}
+
+// Fraction of queries answered right.
 template <class Scalar>
 double accuracy(const Task<Scalar>& task, const Rows<Scalar>& outputs) {
-  const Index Q = task.queries.rows();
-  if (Q == 0) return 0.0;
-  Index right = 0;
-  for (Index i = 0; i < Q; ++i)
-    right += nearest_fact(task, outputs.row(i)) == task.query_fact[static_cast<std::size_t>(i)];
-  return static_cast<double>(right) / static_cast<double>(Q);
+  const std::vector<char> right = correct(task, outputs);
+  if (right.empty()) return 0.0;
+  return static_cast<double>(std::count(right.begin(), right.end(), char(1))) /
+         static_cast<double>(right.size());
 }
 
 }  // namespace recall
