@@ -20,7 +20,7 @@ class VqState {
   // codebook: S x dk, finite.
   VqState(ConstRowsView<Scalar> codebook, Index dv)
       : dictionary_(detail::positive("VqState", "codebook rows", codebook.rows),
-                    detail::positive("VqState", "codebook columns", codebook.cols),
+                    detail::positive("VqState", "dk", codebook.cols),
                     detail::positive("VqState", "dv", dv)),
         neg_half_norms_(codebook.rows) {
     detail::check_finite<Scalar>("VqState", "codebook", codebook);
