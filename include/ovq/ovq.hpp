@@ -29,3 +29,4 @@
 #include "ovq/mixers/vq_attention.hpp"
 #include "ovq/mixers/ovq_attention.hpp"
 #include "ovq/layers/multi_head.hpp"
+#include "ovq/fit/kmeans.hpp"
