@@ -11,7 +11,8 @@
 //   mixer.step(state, q, k, v, o);          // decode one token: same result as forward
 //
 // The four mixers (SelfAttention, LinearAttention, VqAttention, OvqAttention) share this
-// interface; MultiHead<Mixer> runs batch x heads with grouped queries. ovq::ref holds plain,
+// interface; MultiHead<Mixer> runs batch x heads with grouped queries; ovq::io saves and loads
+// states and .npy arrays; fit_codebook fits VQ codebooks. ovq::ref holds plain,
 // double-precision references of the mathematics (include <ovq/ref/reference.hpp>).
 #include "ovq/version.hpp"
 #include "ovq/config.hpp"
@@ -30,3 +31,5 @@
 #include "ovq/mixers/ovq_attention.hpp"
 #include "ovq/layers/multi_head.hpp"
 #include "ovq/fit/kmeans.hpp"
+#include "ovq/io/npy.hpp"
+#include "ovq/io/state_file.hpp"
