@@ -18,6 +18,7 @@
 
 #include "support/catch.hpp"
 #include "support/fixtures.hpp"
+#include "support/matchers.hpp"
 
 namespace {
 
@@ -27,35 +28,7 @@ using Mat = ovq::RowMatrix<S>;
 template <class S>
 using Vec = ovq::RowVector<S>;
 
-#if defined(OVQ_CATCH2_V3)
-template <class T>
-using MatcherBaseT = Catch::Matchers::MatcherBase<T>;
-#else
-template <class T>
-using MatcherBaseT = Catch::MatcherBase<T>;
-#endif
-
-// Matches an exception whose what() contains every one of the given pieces.
-class MessageHas : public MatcherBaseT<std::exception> {
- public:
-  MessageHas(std::initializer_list<std::string> pieces) : pieces_(pieces) {}
-
-  bool match(const std::exception& e) const override {
-    const std::string what = e.what();
-    for (const std::string& p : pieces_)
-      if (what.find(p) == std::string::npos) return false;
-    return true;
-  }
-
-  std::string describe() const override {
-    std::string out = "has a message containing";
-    for (const std::string& p : pieces_) out += " \"" + p + "\"";
-    return out;
-  }
-
- private:
-  std::vector<std::string> pieces_;
-};
+using ovq::test::MessageHas;
 
 // The call throws ovq::ArgumentError and its message contains every piece.
 #define CHECK_ARG_ERROR(expr, ...) \

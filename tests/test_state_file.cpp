@@ -39,6 +39,7 @@
 #include "ovq/io/state_file.hpp"
 #include "support/catch.hpp"
 #include "support/fixtures.hpp"
+#include "support/matchers.hpp"
 
 #if defined(__unix__) || defined(__APPLE__)
 #include <sys/resource.h>
@@ -56,35 +57,7 @@ using Bytes = std::vector<unsigned char>;
 template <class S>
 using Mat = ovq::RowMatrix<S>;
 
-#if defined(OVQ_CATCH2_V3)
-template <class T>
-using MatcherBaseT = Catch::Matchers::MatcherBase<T>;
-#else
-template <class T>
-using MatcherBaseT = Catch::MatcherBase<T>;
-#endif
-
-// Matches an exception whose what() contains every one of the given pieces.
-class MessageHas : public MatcherBaseT<std::exception> {
- public:
-  MessageHas(std::initializer_list<std::string> pieces) : pieces_(pieces) {}
-
-  bool match(const std::exception& e) const override {
-    const std::string what = e.what();
-    for (const std::string& p : pieces_)
-      if (what.find(p) == std::string::npos) return false;
-    return true;
-  }
-
-  std::string describe() const override {
-    std::string out = "has a message containing";
-    for (const std::string& p : pieces_) out += " \"" + p + "\"";
-    return out;
-  }
-
- private:
-  std::vector<std::string> pieces_;
-};
+using ovq::test::MessageHas;
 
 #define CHECK_FORMAT_ERROR(expr, ...) \
   CHECK_THROWS_MATCHES(expr, ovq::FormatError, MessageHas({__VA_ARGS__}))
