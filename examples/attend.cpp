@@ -7,6 +7,9 @@
 // run is instantiated for the inputs' scalar type, so float32 inputs are computed and written in
 // float32 and float64 ones in float64.
 //
+// --save-state / --load-state save and restore the layer's states in the library's state-file
+// format (ovq/io/state_file.hpp), so that a stream cut anywhere can be continued by a new process.
+//
 // Exit status: 0 on success, 2 when the command line itself is wrong (nothing has been read),
 // 1 for everything found later (files, shapes, values the library rejects, memory). Every failure
 // prints exactly one line on stderr, starting with "attend: ".
@@ -31,6 +34,7 @@
 #include <vector>
 
 #include "ovq/io/npy.hpp"
+#include "ovq/io/state_file.hpp"
 #include "ovq/ovq.hpp"
 
 namespace {
@@ -69,6 +73,17 @@ Options for every mixer
   --split a,b,...       feed the sequence as consecutive forward calls of these
                         lengths (integers >= 0 that must add up to T)
   --threads N           run key/value heads on at most N threads (0: OpenMP's default)
+  --load-state F        before the run, restore the state of every key/value head
+                        from the state file F (written by --save-state) and continue
+                        that stream: the mixer, its options, the dtype, the head counts,
+                        dk and dv must be the ones F was saved with (vq: and the
+                        codebook); anything else is refused, naming what differs
+  --save-state F        after the run, save the state of every key/value head to the
+                        state file F (versioned and checksummed; F is replaced
+                        atomically, so a failed save leaves an existing F intact).
+                        A prefix run with --save-state followed by a run of the rest
+                        with --load-state gives, bit for bit, the outputs and the
+                        state of one run with --split cut at the same point.
   --help                print this text and exit
 
 self
@@ -185,6 +200,8 @@ const OptionSpec kOptions[] = {
     {"--stream", false, kAll},
     {"--split", true, kAll},
     {"--threads", true, kAll},
+    {"--load-state", true, kAll},
+    {"--save-state", true, kAll},
     {"--window", true, kSelf},
     {"--noncausal", false, kSelf},
     {"--feature-map", true, kLinear},
@@ -292,6 +309,8 @@ struct Config {
   std::optional<int> threads;
   std::string codebook_path;
   std::optional<std::string> state_out;
+  std::optional<std::string> load_state;
+  std::optional<std::string> save_state;
 
   ovq::SelfAttentionOptions self;
   ovq::LinearAttentionOptions linear;
@@ -376,6 +395,14 @@ std::optional<Config> parse_command_line(int argc, char** argv) {
   if (has("--state-out")) {
     if (value("--state-out").empty()) throw UsageError("--state-out: empty path");
     cfg.state_out = value("--state-out");
+  }
+  if (has("--load-state")) {
+    if (value("--load-state").empty()) throw UsageError("--load-state: empty path");
+    cfg.load_state = value("--load-state");
+  }
+  if (has("--save-state")) {
+    if (value("--save-state").empty()) throw UsageError("--save-state: empty path");
+    cfg.save_state = value("--save-state");
   }
 
   std::optional<double> beta;
@@ -685,6 +712,36 @@ void write_state(const ovq::MultiHead<Mixer>& layer, const std::string& prefix,
   write_text_file(prefix + ".json", json.str());
 }
 
+// ---- state files -------------------------------------------------------------------------------
+
+// Replaces the layer's states with those saved in `path`; the layer is unchanged on failure.
+template <class Mixer>
+void load_layer_state(ovq::MultiHead<Mixer>& layer, const std::string& path) {
+  try {
+    ovq::io::load_state(path, layer);
+  } catch (const ovq::FormatError& e) {
+    throw ovq::FormatError("--load-state '" + path + "': " + e.what());
+  }
+}
+
+// VQ: the codebooks come from the state file; they must be the ones given with --codebook.
+template <class Scalar>
+void check_loaded_codebooks(const ovq::MultiHead<ovq::VqAttention<Scalar>>& loaded,
+                            const std::vector<typename ovq::VqAttention<Scalar>::State>& given,
+                            const Config& cfg) {
+  for (Index h = 0; h < loaded.kv_heads(); ++h) {
+    const auto& a = loaded.state(0, h);
+    const auto& b = given[static_cast<std::size_t>(h)];
+    const bool same = a.codebook_size() == b.codebook_size() && a.key_dim() == b.key_dim() &&
+                      ovq::as_eigen(a.codebook()) == ovq::as_eigen(b.codebook());
+    if (!same) {
+      throw InputError("--load-state '" + *cfg.load_state + "': key/value head " +
+                       std::to_string(h) + " was saved with another codebook than --codebook '" +
+                       cfg.codebook_path + "'");
+    }
+  }
+}
+
 // ---- one run, for one scalar type -------------------------------------------------------------
 
 template <class Scalar, class Mixer>
@@ -696,6 +753,7 @@ void finish(ovq::MultiHead<Mixer>& layer, const Config& cfg, const Dims& d, cons
   const ConstMap<Scalar> vm(v.data(), d.hkv * d.tokens, d.dv);
   const RowMatrix<Scalar> o = drive(layer, cfg, d, qm, km, vm);
 
+  if (cfg.save_state) ovq::io::save_state(*cfg.save_state, layer);
   if constexpr (std::is_same_v<Mixer, ovq::VqAttention<Scalar>> ||
                 std::is_same_v<Mixer, ovq::OvqAttention<Scalar>>) {
     if (cfg.state_out) write_state(layer, *cfg.state_out, cfg.mixer);
@@ -714,6 +772,7 @@ void run(const Config& cfg, const Array3& qa, const Array3& ka, const Array3& va
     case MixerKind::self: {
       ovq::MultiHead<ovq::SelfAttention<Scalar>> layer(ovq::SelfAttention<Scalar>(cfg.self), 1,
                                                        d.hq, d.hkv, d.dk, d.dv);
+      if (cfg.load_state) load_layer_state(layer, *cfg.load_state);
       finish(layer, cfg, d, qa, q, k, v);
       break;
     }
@@ -722,13 +781,19 @@ void run(const Config& cfg, const Array3& qa, const Array3& ka, const Array3& va
       // nothing in the result. It keeps LinearAttention from sizing per-call scratch by an
       // arbitrarily large --chunk: that allocation happens inside the layer's OpenMP region, where
       // a std::bad_alloc cannot be caught and would abort the process.
+      // With a state file the chunk length is part of the state's options and must be the same
+      // in every run of a stream, whatever its call lengths, so it is kept as given (the library
+      // sizes its scratch by the call, not by the option).
       ovq::LinearAttentionOptions options = cfg.linear;
-      Index longest = d.tokens;
-      if (cfg.stream) longest = 1;
-      if (cfg.split) longest = *std::max_element(cfg.split->begin(), cfg.split->end());
-      options.chunk = std::min(options.chunk, std::max<Index>(longest, 1));
+      if (!cfg.load_state && !cfg.save_state) {
+        Index longest = d.tokens;
+        if (cfg.stream) longest = 1;
+        if (cfg.split) longest = *std::max_element(cfg.split->begin(), cfg.split->end());
+        options.chunk = std::min(options.chunk, std::max<Index>(longest, 1));
+      }
       ovq::MultiHead<ovq::LinearAttention<Scalar>> layer(ovq::LinearAttention<Scalar>(options), 1,
                                                          d.hq, d.hkv, d.dk, d.dv);
+      if (cfg.load_state) load_layer_state(layer, *cfg.load_state);
       finish(layer, cfg, d, qa, q, k, v);
       break;
     }
@@ -756,13 +821,18 @@ void run(const Config& cfg, const Array3& qa, const Array3& ka, const Array3& va
         const ConstMap<Scalar> book(c.data() + which * cb.rows * cb.cols, cb.rows, cb.cols);
         states.push_back(mixer.make_state(book, d.dv));
       }
-      ovq::MultiHead<ovq::VqAttention<Scalar>> layer(mixer, 1, d.hq, std::move(states));
+      ovq::MultiHead<ovq::VqAttention<Scalar>> layer(mixer, 1, d.hq, states);
+      if (cfg.load_state) {
+        load_layer_state(layer, *cfg.load_state);
+        check_loaded_codebooks(layer, states, cfg);
+      }
       finish(layer, cfg, d, qa, q, k, v);
       break;
     }
     case MixerKind::ovq: {
       ovq::MultiHead<ovq::OvqAttention<Scalar>> layer(ovq::OvqAttention<Scalar>(cfg.ovq), 1,
                                                       d.hq, d.hkv, d.dk, d.dv);
+      if (cfg.load_state) load_layer_state(layer, *cfg.load_state);
       finish(layer, cfg, d, qa, q, k, v);
       break;
     }
