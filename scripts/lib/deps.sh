@@ -5,6 +5,7 @@
 #   ovq_ensure_optional_deps PKG...  same, but never fails
 #   ovq_required_packages            print the packages a build needs
 #   ovq_optional_packages            print nice-to-have packages
+#   ovq_fuzz_packages                print what scripts/fuzz needs on top (clang, libFuzzer)
 #
 # Packages are Debian/Ubuntu names.  Missing ones are installed with apt-get
 # when running as root; otherwise the exact command to run is printed on
@@ -28,6 +29,14 @@ ovq__have() {
       [[ -f /usr/local/include/catch2/catch.hpp || -f /usr/local/include/catch2/catch_all.hpp ]] && return 0 ;;
     libbenchmark-dev)
       [[ -f /usr/local/include/benchmark/benchmark.h ]] && return 0 ;;
+    libclang-rt-dev)
+      # libFuzzer's runtime, wherever this clang looks for it.
+      if command -v clang++ >/dev/null 2>&1; then
+        local rt
+        rt=$(clang++ -print-file-name=libclang_rt.fuzzer-x86_64.a 2>/dev/null) || rt=
+        [[ "$rt" == /* && -f "$rt" ]] && return 0
+      fi
+      ;;
   esac
   ovq__dpkg_installed "$pkg"
 }
@@ -126,6 +135,12 @@ ovq_optional_packages() {
   if ovq__cxx_is_clang; then
     printf '%s\n' libomp-dev
   fi
+}
+
+# libFuzzer (scripts/fuzz): clang and its sanitizer/fuzzer runtimes. GCC's sanitizer runtimes
+# (libasan, libubsan, libtsan, used by scripts/test) come with g++ itself.
+ovq_fuzz_packages() {
+  printf '%s\n' clang libclang-rt-dev
 }
 
 # Install whatever the default build needs.

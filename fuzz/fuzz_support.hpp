@@ -1,0 +1,96 @@
+#pragma once
+// What the fuzz targets share: a reader that turns fuzz bytes into decisions, and the check that
+// fails a run.
+//
+// A failed check prints "fuzz finding: ..." and aborts, which libFuzzer reports as a crash (with
+// the input saved as an artifact) and which fails the corpus replay test.
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "ovq/core/error.hpp"
+
+namespace ovq::fuzz {
+
+[[noreturn]] inline void fail(const char* file, int line, const std::string& what) {
+  std::fprintf(stderr, "%s:%d: fuzz finding: %s\n", file, line, what.c_str());
+  std::fflush(stderr);
+  std::abort();
+}
+
+// Checks `cond`; the message parts are streamed into the report.
+#define OVQ_FUZZ_CHECK(cond, ...)                                                   \
+  do {                                                                              \
+    if (!(cond)) {                                                                  \
+      ::ovq::fuzz::fail(__FILE__, __LINE__,                                         \
+                        ::ovq::detail::concat("(" #cond ") ", __VA_ARGS__));        \
+    }                                                                               \
+  } while (0)
+
+// Decisions from fuzz bytes. Once the bytes run out every read returns 0, so option lists put
+// their ordinary value first: a short input means a plain run. Bulk data (matrix entries) comes
+// from a splitmix64 stream seeded by the input instead, so a few bytes still give rich values.
+class Input {
+ public:
+  Input(const std::uint8_t* data, std::size_t size) : data_(data), size_(size) {}
+
+  std::size_t remaining() const { return size_ - pos_; }
+
+  std::uint8_t byte() { return pos_ < size_ ? data_[pos_++] : 0; }
+  bool flag() { return (byte() & 1u) != 0; }
+  // True with probability about 1/n (n in 1..256), and false once the bytes run out.
+  bool rarely(unsigned n) { return pos_ < size_ && byte() % n == n - 1; }
+
+  std::uint32_t u32() {
+    std::uint32_t v = 0;
+    for (int i = 0; i < 4; ++i) v |= std::uint32_t(byte()) << (8 * i);
+    return v;
+  }
+  std::uint64_t u64() { return std::uint64_t(u32()) | (std::uint64_t(u32()) << 32); }
+  double f64_bits() {
+    const std::uint64_t u = u64();
+    double d;
+    std::memcpy(&d, &u, sizeof d);
+    return d;
+  }
+  float f32_bits() {
+    const std::uint32_t u = u32();
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+  }
+
+  // An integer in [lo, hi] (hi - lo < 2^32).
+  std::int64_t range(std::int64_t lo, std::int64_t hi) {
+    const std::uint64_t span = static_cast<std::uint64_t>(hi - lo) + 1;
+    const std::uint64_t v = span <= 256 ? byte() : (span <= 65536 ? (byte() | (byte() << 8)) : u32());
+    return lo + static_cast<std::int64_t>(v % span);
+  }
+
+  template <class T, std::size_t N>
+  T pick(const T (&options)[N]) {
+    return options[byte() % N];
+  }
+
+  // splitmix64 over a seed taken from the input.
+  void seed_stream(std::uint64_t salt) { stream_ = u32() ^ (salt * 0x9e3779b97f4a7c15ULL); }
+  std::uint64_t next() {
+    std::uint64_t z = (stream_ += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+  }
+  // Uniform in [-1, 1).
+  double uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-52 - 1.0; }
+
+ private:
+  const std::uint8_t* data_;
+  std::size_t size_;
+  std::size_t pos_ = 0;
+  std::uint64_t stream_ = 0;
+};
+
+}  // namespace ovq::fuzz

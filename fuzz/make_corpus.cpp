@@ -1,0 +1,154 @@
+// Writes the seed corpora of fuzz_state_file and fuzz_mixers (the .npy seeds come from NumPy:
+// make_npy_corpus.py). Run by `scripts/fuzz corpus`:
+//
+//   ovq_fuzz_make_corpus OUT_DIR      writes OUT_DIR/fuzz_state_file/*, OUT_DIR/fuzz_mixers/*
+//
+// State files: one state of each mixer kind, float and double, alone and in a multi-head layer,
+// after a few tokens (an OVQ state with a partial chunk pending), with options that differ from
+// the defaults. Each is written as it is (NAME.state) and behind control byte 0x01 (NAME.fixed:
+// fuzz_state_file then repairs the payload size and checksum of mutated copies).
+// Mixer seeds: the first bytes fuzz_mixers reads (seed, scalar type, kind, multi-head, dk, dv),
+// default options, then a short tail of calls and values.
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "ovq/io/state_file.hpp"
+#include "ovq/ovq.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+using namespace ovq;
+using Bytes = std::vector<unsigned char>;
+
+void write(const fs::path& path, const Bytes& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  if (!out) throw std::runtime_error("cannot write " + path.string());
+}
+
+template <class S>
+RowMatrix<S> values(Index rows, Index cols, int salt) {
+  RowMatrix<S> m(rows, cols);
+  for (Index i = 0; i < rows; ++i)
+    for (Index j = 0; j < cols; ++j)
+      m(i, j) = static_cast<S>(std::sin(0.7 * static_cast<double>(i) + 1.3 * static_cast<double>(j) +
+                                        static_cast<double>(salt)));
+  return m;
+}
+
+// One state after `tokens` tokens, and a layer (batch 1, 2 query heads, 1 key/value head).
+template <class Mixer>
+void write_states(const fs::path& dir, const std::string& name, const Mixer& mixer,
+                  typename Mixer::State state, Index tokens) {
+  using S = typename Mixer::scalar_type;
+  const Index dk = state.key_dim(), dv = state.value_dim();
+  mixer.forward(state, values<S>(tokens, dk, 1), values<S>(tokens, dk, 2),
+                values<S>(tokens, dv, 3));
+  const std::string suffix = sizeof(S) == 4 ? "_f32" : "_f64";
+  const Bytes one = io::encode_state(mixer, state);
+
+  MultiHead<Mixer> layer(mixer, 1, 2, std::vector<typename Mixer::State>(1, state));
+  layer.reset();
+  layer.forward(values<S>(2 * tokens, dk, 4), values<S>(tokens, dk, 5), values<S>(tokens, dv, 6));
+  const Bytes multi = io::encode_state(layer);
+
+  for (const auto& [file, bytes] : {std::pair<std::string, const Bytes&>{name + suffix, one},
+                                    std::pair<std::string, const Bytes&>{name + suffix + "_mh", multi}}) {
+    write(dir / (file + ".state"), bytes);
+    Bytes fixed{0x01};
+    fixed.insert(fixed.end(), bytes.begin(), bytes.end());
+    write(dir / (file + ".fixed"), fixed);
+  }
+}
+
+template <class S>
+void write_state_corpus(const fs::path& dir) {
+  SelfAttentionOptions self;
+  self.beta = 0.5;
+  self.window = 4;
+  self.chunk = 3;
+  const SelfAttention<S> self_mixer(self);
+  write_states(dir, "self", self_mixer, self_mixer.make_state(3, 2), 7);
+
+  LinearAttentionOptions linear;
+  linear.feature_map = kernels::FeatureMap::elu1;
+  linear.normalize = true;
+  linear.decay = 0.9;
+  linear.chunk = 4;
+  const LinearAttention<S> linear_mixer(linear);
+  write_states(dir, "linear", linear_mixer, linear_mixer.make_state(3, 2), 7);
+
+  VqAttentionOptions vq;
+  vq.beta = 2.0;
+  vq.chunk = 4;
+  const VqAttention<S> vq_mixer(vq);
+  write_states(dir, "vq", vq_mixer, vq_mixer.make_state(values<S>(4, 3, 7), 2), 7);
+
+  OvqOptions ovq;
+  ovq.capacity = 4;
+  ovq.chunk = 3;
+  if (sizeof(S) == 8) {
+    ovq.growth = Growth::linear(0.5);
+    ovq.seeding = Seeding::random(42);
+    ovq.rate = UpdateRate::constant(0.25);
+    ovq.renormalize = true;
+  }
+  const OvqAttention<S> ovq_mixer(ovq);
+  write_states(dir, "ovq", ovq_mixer, ovq_mixer.make_state(3, 2), 8);
+}
+
+void write_mixer_corpus(const fs::path& dir) {
+  static const char* const kKind[] = {"self", "linear", "vq", "ovq"};
+  for (int scalar = 0; scalar < 2; ++scalar) {
+    for (int kind = 0; kind < 4; ++kind) {
+      for (int multi = 0; multi < 2; ++multi) {
+        // seed (4 bytes), scalar, kind, multi-head (3: yes), dk - 1, dv - 1
+        Bytes b = {0x11, 0x22, 0x33, static_cast<unsigned char>(kind),
+                   static_cast<unsigned char>(scalar), static_cast<unsigned char>(kind),
+                   static_cast<unsigned char>(multi ? 3 : 0), 3, 2};
+        // Default options (every option list starts with its default), VQ codebook size 4.
+        b.insert(b.end(), 10, 0);
+        if (kind == 2) b.push_back(3);
+        // Calls: 3 calls (forward, step, absorb) of a few tokens, ordinary values.
+        const unsigned char calls[] = {2, 0, 0, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                       1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                       2, 0, 5, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+        b.insert(b.end(), std::begin(calls), std::end(calls));
+        write(dir / (std::string(kKind[kind]) + (scalar ? "_f64" : "_f32") + (multi ? "_mh" : "")),
+              b);
+      }
+    }
+  }
+  // Values entry by entry from the bytes: special values in a small OVQ run.
+  Bytes special = {7, 7, 7, 7, 0, 3, 0, 1, 1, 1, 2, 0, 0, 0, 0, 0, 0, 0,
+                   0, 1, 0, 6, 3};
+  for (int i = 0; i < 24; ++i) special.push_back(static_cast<unsigned char>(i));
+  write(dir / "ovq_f32_special_values", special);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: %s OUT_DIR\n", argv[0]);
+    return 2;
+  }
+  try {
+    const fs::path out(argv[1]);
+    fs::create_directories(out / "fuzz_state_file");
+    fs::create_directories(out / "fuzz_mixers");
+    write_state_corpus<float>(out / "fuzz_state_file");
+    write_state_corpus<double>(out / "fuzz_state_file");
+    write_mixer_corpus(out / "fuzz_mixers");
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "ovq_fuzz_make_corpus: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
