@@ -59,6 +59,18 @@ inline void check_positive(const char* where, const char* name, Index value) {
   }
 }
 
+// A real option (beta, eps) must survive the conversion to the mixer's scalar type: neither
+// overflow to infinity nor round to 0.
+template <class Scalar>
+void check_scalar_range(const char* where, const char* name, double value) {
+  const auto s = static_cast<Scalar>(value);
+  if (!std::isfinite(s) || (value > 0.0 && !(s > Scalar(0)))) {
+    throw ArgumentError(concat(where, ": ", name, " = ", value, ", expected a value that the ",
+                               sizeof(Scalar) == 4 ? "float" : "double",
+                               " scalar type represents (finite and not rounded to 0)"));
+  }
+}
+
 // The same check, returning the value: for member initialisers, so that no storage is sized
 // from a bad value before the check runs.
 inline Index positive(const char* where, const char* name, Index value) {

@@ -86,7 +86,16 @@ void linear_chunk_read(const RowMatrix<Scalar>& phi_q, const RowMatrix<Scalar>& 
   }
   const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> den =
       a.rowwise().sum() + powers_head(powers, lc).asDiagonal() * (phi_q * k_sum.transpose());
-  for (Index i = 0; i < lc; ++i) out.row(i) = num.row(i) / (den[i] + p.eps);
+  // A zero normaliser (relu features that are all 0, eps = 0) means nothing was attended to:
+  // the output is 0 rather than 0 / 0.
+  for (Index i = 0; i < lc; ++i) {
+    const Scalar d = den[i] + p.eps;
+    if (d == Scalar(0)) {
+      out.row(i).setZero();
+    } else {
+      out.row(i) = num.row(i) / d;
+    }
+  }
 }
 
 // Absorbs the chunk into (S, z).

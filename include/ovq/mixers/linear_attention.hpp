@@ -46,6 +46,9 @@ class LinearAttention
 
   explicit LinearAttention(const Options& options = {}) : options_(options) {
     options_.validate();
+    detail::check_scalar_range<Scalar>("LinearAttention", "beta", options_.beta);
+    if (options_.normalize)  // eps must not round to 0 where it was meant to guard a division
+      detail::check_scalar_range<Scalar>("LinearAttention", "eps", options_.eps);
   }
 
   const Options& options() const { return options_; }

@@ -43,7 +43,10 @@ class OvqAttention : public MixerBase<OvqAttention<Scalar, Arch>, Scalar, OvqSta
   using State = OvqState<Scalar>;
   using Options = OvqOptions;
 
-  explicit OvqAttention(const Options& options = {}) : options_(options) { options_.validate(); }
+  explicit OvqAttention(const Options& options = {}) : options_(options) {
+    options_.validate();
+    detail::check_scalar_range<Scalar>("OvqAttention", "beta", options_.beta);
+  }
 
   const Options& options() const { return options_; }
 

@@ -40,7 +40,10 @@ class SelfAttention : public MixerBase<SelfAttention<Scalar, Arch>, Scalar, KvCa
   using State = KvCache<Scalar>;
   using Options = SelfAttentionOptions;
 
-  explicit SelfAttention(const Options& options = {}) : options_(options) { options_.validate(); }
+  explicit SelfAttention(const Options& options = {}) : options_(options) {
+    options_.validate();
+    detail::check_scalar_range<Scalar>("SelfAttention", "beta", options_.beta);
+  }
 
   const Options& options() const { return options_; }
 

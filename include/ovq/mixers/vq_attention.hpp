@@ -36,7 +36,10 @@ class VqAttention : public MixerBase<VqAttention<Scalar, Arch>, Scalar, VqState<
   using State = VqState<Scalar>;
   using Options = VqAttentionOptions;
 
-  explicit VqAttention(const Options& options = {}) : options_(options) { options_.validate(); }
+  explicit VqAttention(const Options& options = {}) : options_(options) {
+    options_.validate();
+    detail::check_scalar_range<Scalar>("VqAttention", "beta", options_.beta);
+  }
 
   const Options& options() const { return options_; }
 
