@@ -194,7 +194,7 @@ struct Magnitudes {
 //   beta        beta is finite as a double but not in the scalar type
 //   logits      |beta q . k| or |q . k| can exceed the largest scalar (softmax mixers)
 //   values      the sum of |v| over the rows seen can exceed it (softmax mixers)
-//   linear      |beta phi(q) S| can exceed it (linear attention)
+//   linear      |beta phi(q) S| or |phi(q) . phi(k)| can exceed it (linear attention)
 //   normalizer  normalised linear attention otherwise (a denominator near or at 0)
 //   other       none of these: always worth a look
 // (and "state": a finite stream left non-finite numbers in the state, which then fails to load)
@@ -207,12 +207,14 @@ std::string overflow_class(const Magnitudes& m, double beta, Index dk, bool line
   // The kernels form q . k before scaling by beta, so q . k itself must not overflow either.
   const double logit = std::max(beta_s, 1.0) * m.q * m.k * d;
   const double value_sum = m.v * rows;
-  // phi(x) <= |x| + 1 for every feature map.
-  const double linear_out = std::max(beta_s, 1.0) * (m.q + 1) * (m.k + 1) * m.v * rows * d;
+  // phi(x) <= |x| + 1 for every feature map. The chunked form also forms phi(Q) phi(K)^T on its
+  // own before multiplying by V, so that product must not overflow either.
+  const double linear_qk = std::max(beta_s, 1.0) * (m.q + 1) * (m.k + 1) * d;
+  const double linear_out = linear_qk * std::max(m.v, 1.0) * rows;
   *hint = detail::concat("\n-- bounds: beta as the scalar type = ", beta_s,
                          "; |beta q.k| <= ", logit, "; sum |v| <= ", value_sum,
                          "; |beta phi(q) S| <= ", linear_out, "; largest scalar = ", big);
-  if (!(beta_s <= big)) return "beta";
+  if (!(beta_s <= big) && !normalize) return "beta";  // normalised linear attention ignores beta
   if (linear) {
     if (!(linear_out <= big)) return "linear";
     return normalize ? "normalizer" : "other";

@@ -333,8 +333,9 @@ void run(bool multi, const Bytes& file) {
   std::int64_t batch = f.get<std::int64_t>(), hq = f.get<std::int64_t>(),
                hkv = f.get<std::int64_t>();
   StateDims dims = read_dims(f, static_cast<const Mixer*>(nullptr));
-  const bool plausible = f.ok() && batch >= 1 && hkv >= 1 && batch * hkv <= 16 && hq >= 1 &&
-                         hq <= 64 && hq % hkv == 0 && dims.dk >= 1 && dims.dk <= 256 &&
+  const bool plausible = f.ok() && batch >= 1 && batch <= 16 && hkv >= 1 && hkv <= 16 &&
+                         batch * hkv <= 16 && hq >= 1 && hq <= 64 && hq % hkv == 0 &&
+                         dims.dk >= 1 && dims.dk <= 256 &&
                          dims.dv >= 1 && dims.dv <= 256 && dims.codes >= 1 && dims.codes <= 256;
   if (!plausible) {
     batch = hq = hkv = 1;
