@@ -46,6 +46,19 @@ inline constexpr std::size_t kHeaderSize = 36;
 inline constexpr std::uint32_t kByteOrderTag = 0x01020304u;
 // No state dimension comes near this; it keeps every size product far from overflow.
 inline constexpr std::int64_t kMaxDim = std::int64_t(1) << 31;
+// Token counts stay far below 2^63 so that continuing a loaded stream cannot overflow them.
+inline constexpr std::int64_t kMaxTokens = std::int64_t(1) << 62;
+// Head widths of a state whose storage is sized by the mixer (capacity x width) rather than by
+// the rows in the file: a bound that no real head reaches, so a tiny file cannot demand a huge
+// allocation.
+inline constexpr std::int64_t kMaxWidth = std::int64_t(1) << 16;
+
+inline void check_tokens(const char* field, std::int64_t v) {
+  if (v < 0 || v > kMaxTokens) {
+    throw FormatError(detail::concat("state file: ", field, " = ", v, ", expected a value in [0, ",
+                                     kMaxTokens, "]"));
+  }
+}
 
 static_assert(std::numeric_limits<float>::is_iec559 && std::numeric_limits<double>::is_iec559,
               "state files store IEEE-754 scalars");
@@ -267,6 +280,7 @@ KvCache<S> get_state(Reader& r, const SelfAttention<S, A>& mixer) {
   const auto keep = r.get<std::int64_t>("keep_rows");
   const auto tokens = r.get<std::int64_t>("tokens");
   const auto size = r.get_dim("rows", 0);
+  check_tokens("tokens", tokens);
   KvCache<S> state = mixer.make_state(dk, dv);
   if (keep != state.keep_rows())
     invalid(detail::concat("keep_rows = ", keep, ", expected ", state.keep_rows()));
@@ -293,7 +307,7 @@ LinearState<S> get_state(Reader& r, const LinearAttention<S, A>& mixer) {
   const auto dk = r.get_dim("dk", 1);
   const auto dv = r.get_dim("dv", 1);
   const auto tokens = r.get<std::int64_t>("tokens");
-  if (tokens < 0) invalid(detail::concat("tokens = ", tokens, ", expected >= 0"));
+  check_tokens("tokens", tokens);
   r.need_items(dk, dv + 1, sizeof(S), "S and z");
   LinearState<S> state = mixer.make_state(dk, dv);
   state.kv() = r.get_rows<S>(dk, dv, "S");
@@ -333,7 +347,13 @@ VqState<S> get_state(Reader& r, const VqAttention<S, A>& mixer) {
   const RowMatrix<S> values = r.get_rows<S>(codes, dv, "mean values");
   VqState<S> state = mixer.make_state(codebook, dv);
   as_eigen(state.dictionary().values()) = values;
-  for (Index c = 0; c < codes; ++c) state.dictionary().set_count(c, get_count(r));
+  std::int64_t total = 0;
+  for (Index c = 0; c < codes; ++c) {
+    const std::int64_t count = get_count(r);
+    if (count > kMaxTokens - total) invalid(detail::concat("counts sum past ", kMaxTokens));
+    total += count;
+    state.dictionary().set_count(c, count);
+  }
   return state;
 }
 
@@ -368,11 +388,15 @@ OvqState<S> get_state(Reader& r, const OvqAttention<S, A>& mixer) {
   if (n > capacity) invalid(detail::concat("n = ", n, ", expected <= capacity = ", capacity));
   if (pending >= chunk)
     invalid(detail::concat("pending = ", pending, ", expected < chunk = ", chunk));
-  if (t < 0 || t % chunk != 0)
+  check_tokens("t", t);
+  if (t % chunk != 0)
     invalid(detail::concat("t = ", t, ", expected a multiple of the chunk ", chunk, " >= 0"));
   if ((t == 0) != (n == 0))
     invalid(detail::concat("n = ", n, " with t = ", t, ", expected n = 0 exactly when t = 0"));
   r.need_items(n, dk + dv, sizeof(S), "dictionary");
+  if (dk > kMaxWidth || dv > kMaxWidth)
+    invalid(detail::concat("(dk, dv) = (", dk, ", ", dv, "), expected at most ", kMaxWidth,
+                           " each (the loader's bound on head widths)"));
   const RowMatrix<S> keys = r.get_rows<S>(n, dk, "D_k");
   const RowMatrix<S> values = r.get_rows<S>(n, dv, "D_v");
   OvqState<S> state = mixer.make_state(dk, dv);
