@@ -251,9 +251,13 @@ void read(const ConstRowsView<Scalar>* q, Index heads, const MemoryRows<Scalar>&
     for (Index i = 0; i < np; ++i) {
       for (Index h = 0; h < heads; ++h) {
         const Index r = i * heads + h;
-        // The accumulator already is the average (zero when no row was visible).
+        // The accumulator already is the average (zero when no row was visible). An average of
+        // values never exceeds the largest of them; only rounding can push one near the largest
+        // finite scalar past it, so that is clamped back.
+        constexpr Scalar kMaxValue = std::numeric_limits<Scalar>::max();
         const Scalar* acc = buf.acc.data() + r * dv;
-        std::copy(acc, acc + dv, o[h].row(i0 + i));
+        Scalar* out = o[h].row(i0 + i);
+        for (Index c = 0; c < dv; ++c) out[c] = std::clamp(acc[c], -kMaxValue, kMaxValue);
       }
     }
   };
