@@ -9,7 +9,8 @@
 // at N = T/8 (a state of about 13% of self-attention's cache). Every mixer reads the same
 // streams; the context is absorbed, then the queries are read from the state
 // (examples/tasks/mixers.hpp explains how). One table: state bytes at 64k and as a % of
-// self-attention's cache, recall at each T, ICL error (NMSE) and functions learnt.
+// self-attention's cache, recall at each T, ICL error (NMSE) and functions learnt, for task I
+// and for task I-b (the same examples grouped by function; added after the first full run).
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -40,10 +41,10 @@ std::vector<MixerSpec> mixers(Index T) {
   return m;
 }
 
-const Point* find(const std::vector<Point>& points, TaskKind task, Index T,
+const Point* find(const std::vector<Point>& points, const std::string& experiment, Index T,
                   const std::string& mixer) {
   for (const Point& p : points)
-    if (p.task == task && p.context == T && p.mixer == mixer) return &p;
+    if (p.experiment == experiment && p.context == T && p.mixer == mixer) return &p;
   return nullptr;
 }
 
@@ -110,7 +111,8 @@ int main(int argc, char** argv) {
       "  output nearest (cosine) to the queried fact's value among the M (chance %.1f%%).\n"
       "  ICL: T = %s examples (x, A_f x) of F = %td random linear maps, each on its own region of\n"
       "  key space; Q = %td queries at new inputs. NMSE after the best output gain (0 exact, 1 no\n"
-      "  information); a function is learnt when its NMSE < %.1f.\n"
+      "  information); a function is learnt when its NMSE < %.1f. ICL-b: the same examples grouped\n"
+      "  by function (one block per function), so that the whole context must be kept.\n"
       "  dk = dv = %td, unit keys, beta = %g, one head, float. VQ: k-means codebook fitted on a\n"
       "  calibration stream; OVQ: chunk %td, dirichlet growth, spread seeding, adaptive rate.\n\n",
       static_cast<unsigned long long>(seed), kFacts, kQueries, 100.0 / kFacts,
@@ -121,10 +123,13 @@ int main(int argc, char** argv) {
   std::vector<Setting> settings;
   for (const Index T : kContexts)
     settings.push_back({"recall", TaskKind::recall, T, kFacts, kQueries, seed, mixers(T)});
-  Setting icl_setting{"icl", TaskKind::icl, kIclContext, kFunctions, kIclQueries, seed,
-                      mixers(kIclContext)};
-  icl_setting.oracle = true;
-  settings.push_back(icl_setting);
+  for (const bool blocked : {false, true}) {
+    Setting icl_setting{blocked ? "icl-b" : "icl", TaskKind::icl, kIclContext, kFunctions,
+                        kIclQueries, seed, mixers(kIclContext)};
+    icl_setting.oracle = true;
+    icl_setting.blocked = blocked;
+    settings.push_back(icl_setting);
+  }
 
   const double start = now_ms();
   std::vector<Point> points;
@@ -142,16 +147,16 @@ int main(int argc, char** argv) {
     const std::string h = "R@" + std::to_string(T / 1024) + "k";
     std::printf(" %7s", h.c_str());
   }
-  std::printf(" %9s %7s\n", "ICL NMSE", "learnt");
+  std::printf(" %9s %7s %9s %7s\n", "ICL NMSE", "learnt", "ICL-b", "learnt");
   std::printf("%-20s %11s %8s", "--------------------", "-----------", "-------");
   for (std::size_t i = 0; i < kContexts.size(); ++i) std::printf(" %7s", "------");
-  std::printf(" %9s %7s\n", "--------", "------");
+  std::printf(" %9s %7s %9s %7s\n", "--------", "------", "--------", "------");
   const std::vector<MixerSpec> names = mixers(Tmax);
   std::vector<std::string> rows;
   for (const MixerSpec& m : names) rows.push_back(m.name);
   rows.push_back("oracle: region mean");
   for (const std::string& name : rows) {
-    const Point* big = find(points, TaskKind::recall, Tmax, name);
+    const Point* big = find(points, "recall", Tmax, name);
     if (big) {
       std::printf("%-20s %11s %7.1f%%", name.c_str(), human_bytes(static_cast<double>(big->bytes)).c_str(),
                   100.0 * static_cast<double>(big->bytes) / big->sa_bytes);
@@ -159,15 +164,20 @@ int main(int argc, char** argv) {
       std::printf("%-20s %11s %8s", name.c_str(), "-", "-");
     }
     for (const Index T : kContexts) {
-      const Point* p = find(points, TaskKind::recall, T, name);
+      const Point* p = find(points, "recall", T, name);
       if (p)
         std::printf(" %6.1f%%", 100.0 * p->score);
       else
         std::printf(" %7s", "-");
     }
-    const Point* q = find(points, TaskKind::icl, kIclContext, name);
+    const Point* q = find(points, "icl", kIclContext, name);
     if (q)
-      std::printf(" %9.3f %6.0f%%\n", q->score, 100.0 * q->learnt);
+      std::printf(" %9.3f %6.0f%%", q->score, 100.0 * q->learnt);
+    else
+      std::printf(" %9s %7s", "-", "-");
+    const Point* b = find(points, "icl-b", kIclContext, name);
+    if (b)
+      std::printf(" %9.3f %6.0f%%\n", b->score, 100.0 * b->learnt);
     else
       std::printf(" %9s %7s\n", "-", "-");
   }

@@ -2,8 +2,9 @@
 //
 //   study [--out DIR] [--seeds N] [--max-context T] [--only a,b,...] [--threads N] [--progress]
 //
-// Runs the experiments defined in docs/study.md (recall-T, recall-M, recall-state, icl-F,
-// ablation-recall, ablation-icl) over N seeds and writes into DIR (default study-results):
+// Runs the experiments defined in docs/study.md (recall-T, recall-M, recall-state, icl-F and
+// icl-F-blocked, ablation-recall, ablation-icl) over N seeds and writes into DIR (default
+// study-results):
 //   points.csv    one row per (experiment, stream, mixer, seed)
 //   summary.csv   the mean over seeds (and min, max) per (experiment, stream, mixer)
 //   results.md    the results section of docs/study.md: tables and the verdict per claim,
@@ -126,14 +127,18 @@ std::vector<Experiment> experiments(const std::vector<std::uint64_t>& seeds, Ind
   }
   out.push_back(e);
 
+  // Task I and, added after the first full run (docs/study.md), task I-b: the same examples
+  // grouped by function. One group, so that both share their VQ codebook fits.
   e = {"icl-F", {}};
-  for (const std::uint64_t seed : seeds)
-    for (const Index F : kFunctionCounts) {
-      Setting s{e.name, TaskKind::icl, kIclContext, F, kIclQueries, seed,
-                core_mixers(kIclContext, false, false)};
-      s.oracle = true;
-      e.settings.push_back(s);
-    }
+  for (const bool blocked : {false, true})
+    for (const std::uint64_t seed : seeds)
+      for (const Index F : kFunctionCounts) {
+        Setting s{blocked ? "icl-F-blocked" : "icl-F", TaskKind::icl, kIclContext, F,
+                  kIclQueries, seed, core_mixers(kIclContext, false, false)};
+        s.oracle = true;
+        s.blocked = blocked;
+        e.settings.push_back(s);
+      }
   out.push_back(e);
 
   e = {"ablation-recall", {}};
@@ -386,16 +391,17 @@ void recall_verdicts(const Results& r, Verdicts& v) {
   }
 }
 
-void icl_verdicts(const Results& r, Verdicts& v) {
+void icl_verdicts(const Results& r, Verdicts& v, const std::string& exp,
+                  const std::string& label) {
   // Claim 4: OVQ (N=4096, 13% of the cache at 32k) learns every function self-attention learns:
   // at every F, OVQ's learnt fraction >= self-attention's - 5 points, and >= 95% at F=128.
   {
     std::string nums;
     bool ok = true, any = false;
     double at128 = -1;
-    for (const Index F : values_of(r, "icl-F", true)) {
-      const Summary* sa = r.find("icl-F", kIclContext, F, "self-attention");
-      const Summary* o = r.find("icl-F", kIclContext, F, "OVQ N=4096");
+    for (const Index F : values_of(r, exp, true)) {
+      const Summary* sa = r.find(exp, kIclContext, F, "self-attention");
+      const Summary* o = r.find(exp, kIclContext, F, "OVQ N=4096");
       if (!sa || !o) continue;
       any = true;
       if (o->learnt < sa->learnt - 0.05) ok = false;
@@ -408,7 +414,8 @@ void icl_verdicts(const Results& r, Verdicts& v) {
                                 : ok && at128 >= 0.95     ? "holds"
                                 : ok                      ? "holds relative to self-attention"
                                                           : "does not hold";
-    v.add("In-context learning: OVQ learns all functions (F up to 128) like self-attention",
+    v.add("In-context learning" + label + ": OVQ learns all functions (F up to 128) like "
+          "self-attention",
           verdict, "Functions learnt by OVQ N=4096 vs self-attention: " + nums + ".");
   }
   // Claim 5: linear attention and VQ do not: at F=128 the best of each learns <= 10% of the
@@ -419,7 +426,7 @@ void icl_verdicts(const Results& r, Verdicts& v) {
     std::string lin_name, vq_name;
     double lin_nmse = 0, vq_nmse = 0;
     for (const Summary& s : r.rows) {
-      if (s.experiment != "icl-F" || s.items != F) continue;
+      if (s.experiment != exp || s.items != F) continue;
       if (s.family == Family::linear && s.learnt > best_lin)
         best_lin = s.learnt, lin_name = s.mixer, lin_nmse = s.score;
       if (s.family == Family::vq && s.learnt > best_vq)
@@ -429,18 +436,21 @@ void icl_verdicts(const Results& r, Verdicts& v) {
     auto largest = [&](Family fam) {
       Index best = 0;
       for (const Summary& s : r.rows)
-        if (s.experiment == "icl-F" && s.family == fam && s.learnt >= 0.5)
+        if (s.experiment == exp && s.family == fam && s.learnt >= 0.5)
           best = std::max(best, s.items);
       return best;
     };
     if (best_lin < 0 || best_vq < 0) {
-      v.add("In-context learning: linear attention and VQ-attention do not learn them",
+      v.add("In-context learning" + label + ": linear attention and VQ-attention do not learn "
+            "them",
             "not measured", "");
     } else {
       const bool l = best_lin <= 0.10, q = best_vq <= 0.10;
       const std::string verdict = l && q ? "holds" : l || q ? "holds in part" : "does not hold";
       const Index ll = largest(Family::linear), lv = largest(Family::vq);
-      v.add("In-context learning: linear attention and VQ-attention do not learn them", verdict,
+      v.add("In-context learning" + label + ": linear attention and VQ-attention do not learn "
+            "them",
+            verdict,
             "At F=128: best linear (" + lin_name + ") learns " + pct(best_lin) + "% (NMSE " +
                 fmt("%.3f", lin_nmse) + "), best VQ (" + vq_name + ") " + pct(best_vq) +
                 "% (NMSE " + fmt("%.3f", vq_nmse) + "). Largest F with at least half learnt: " +
@@ -571,26 +581,28 @@ void table_recall_state(std::ostream& md, const Results& r) {
   md << '\n';
 }
 
-void table_icl(std::ostream& md, const Results& r) {
-  const std::vector<Index> Fs = values_of(r, "icl-F", true);
+void table_icl(std::ostream& md, const Results& r, const std::string& exp,
+               const std::string& task) {
+  const std::vector<Index> Fs = values_of(r, exp, true);
   if (Fs.empty()) return;
   for (const bool learnt : {false, true}) {
-    md << (learnt ? "### In-context learning: functions learnt (% of F with NMSE < 0.5)"
-                  : "### In-context learning: error (NMSE after the best output gain)")
+    md << "### " << task
+       << (learnt ? ": functions learnt (% of F with NMSE < 0.5)"
+                  : ": error (NMSE after the best output gain)")
        << " (T = " << short_t(kIclContext) << ", Q = " << kIclQueries << ")\n\n";
     md << "| mixer | state | % of SA |";
     for (const Index F : Fs) md << " F=" << F << " |";
     md << "\n|---|---:|---:|";
     for (std::size_t i = 0; i < Fs.size(); ++i) md << "---:|";
     md << '\n';
-    for (const std::string& m : mixers_of(r, "icl-F")) {
-      const Summary* first = r.find("icl-F", kIclContext, Fs.front(), m);
+    for (const std::string& m : mixers_of(r, exp)) {
+      const Summary* first = r.find(exp, kIclContext, Fs.front(), m);
       md << "| " << m << ' '
          << (first && first->family == Family::reference ? std::string("| - | - ")
                                                          : state_cells(first))
          << '|';
       for (const Index F : Fs) {
-        const Summary* s = r.find("icl-F", kIclContext, F, m);
+        const Summary* s = r.find(exp, kIclContext, F, m);
         md << ' ' << (s ? (learnt ? pct(s->learnt) : fmt("%.3f", s->score)) : "") << " |";
       }
       md << '\n';
@@ -632,8 +644,15 @@ void write_markdown(const std::string& path, const Results& r, const std::string
   md << run_line << "\n\n";
   Verdicts v;
   recall_verdicts(r, v);
-  icl_verdicts(r, v);
+  icl_verdicts(r, v, "icl-F", "");
   ablation_verdicts(r, v);
+  if (!values_of(r, "icl-F-blocked", true).empty()) {
+    v.lines.push_back("");
+    v.lines.push_back(
+        "Supplementary, post hoc (task I-b, added after the first full run; same rules 4 and 5):");
+    v.lines.push_back("");
+    icl_verdicts(r, v, "icl-F-blocked", " (I-b, post hoc)");
+  }
   md << "### Verdict per claim\n\nDecided by the rules above from the numbers below.\n\n";
   for (const std::string& l : v.lines) md << l << '\n';
   md << '\n';
@@ -642,12 +661,16 @@ void write_markdown(const std::string& path, const Results& r, const std::string
     md << "![Recall against state bytes](figures/recall_vs_state.png)\n\n";
     md << "![Recall against the number of facts](figures/recall_vs_M.png)\n\n";
     md << "![In-context learning error against F](figures/icl_vs_F.png)\n\n";
+    if (!values_of(r, "icl-F-blocked", true).empty())
+      md << "![In-context learning, examples grouped by function](figures/icl_blocked_vs_F.png)"
+            "\n\n";
     md << "![Ablations](figures/ablations.png)\n\n";
   }
   table_recall_t(md, r);
   table_recall_state(md, r);
   table_recall_m(md, r);
-  table_icl(md, r);
+  table_icl(md, r, "icl-F", "In-context learning (task I)");
+  table_icl(md, r, "icl-F-blocked", "In-context learning, examples grouped by function (task I-b, post hoc)");
   table_ablations(md, r);
   md << "Per-seed numbers: `docs/figures/study_points.csv`; means with min and max: "
         "`docs/figures/study_summary.csv`.\n";
@@ -663,7 +686,7 @@ void usage() {
       "  --seeds N        seeds 1..N (default 3)\n"
       "  --max-context T  drop recall streams longer than T (default 131072)\n"
       "  --only LIST      experiments to run, comma-separated, among: recall-T, recall-M,\n"
-      "                   recall-state, icl-F, ablation-recall, ablation-icl\n"
+      "                   recall-state, icl-F (tasks I and I-b), ablation-recall, ablation-icl\n"
       "  --threads N      OpenMP threads over independent runs (default: all)\n"
       "  --progress       one line per finished run on stderr\n"
       "  --no-figures     leave the figure links out of results.md\n");

@@ -188,6 +188,44 @@ TEST_CASE("icl generator: seeded, reproducible, as specified", "[tasks]") {
   CHECK(oracle.learnt == 1.0);
 }
 
+TEST_CASE("icl generator, blocked: the same examples grouped by function", "[tasks]") {
+  icl::TaskConfig cfg = small_icl(1024, 8, 64, 4);
+  const auto t = icl::make_task<float>(cfg);
+  cfg.blocked = true;
+  const auto b = icl::make_task<float>(cfg);
+  CHECK(b.keys.rows() == t.keys.rows());
+  CHECK(b.queries == t.queries);
+  CHECK(b.targets == t.targets);
+  CHECK(b.centers == t.centers);
+  // One block per function: the function changes exactly F - 1 times along the stream.
+  Index changes = 0;
+  std::set<Index> seen = {b.example_function[0]};
+  for (Index i = 1; i < b.keys.rows(); ++i) {
+    const Index f = b.example_function[static_cast<std::size_t>(i)];
+    if (f != b.example_function[static_cast<std::size_t>(i - 1)]) {
+      ++changes;
+      CHECK(seen.insert(f).second);  // never comes back
+    }
+  }
+  CHECK(changes == 7);
+  CHECK(b.example_function != t.example_function);
+  // The same examples: within each function, the same rows in the same order.
+  for (Index f = 0; f < 8; ++f) {
+    std::vector<Index> rt, rb;
+    for (Index i = 0; i < t.keys.rows(); ++i) {
+      if (t.example_function[static_cast<std::size_t>(i)] == f) rt.push_back(i);
+      if (b.example_function[static_cast<std::size_t>(i)] == f) rb.push_back(i);
+    }
+    REQUIRE(rt.size() == rb.size());
+    for (std::size_t j = 0; j < rt.size(); ++j) {
+      CHECK(t.keys.row(rt[j]) == b.keys.row(rb[j]));
+      CHECK(t.values.row(rt[j]) == b.values.row(rb[j]));
+    }
+  }
+  // Reproducible.
+  CHECK(icl::make_task<float>(cfg).keys == b.keys);
+}
+
 TEST_CASE("the query read sees exactly the post-context state", "[tasks]") {
   // Self-attention's output for each query against the context alone, in double.
   const auto t = recall::make_task<float>(small_recall(1024, 16, 48, 6));
@@ -280,4 +318,11 @@ TEST_CASE("in-context learning, small", "[tasks]") {
   CHECK(lin.learnt <= 0.5);
   CHECK(lin.nmse > 0.5);
   CHECK(icl_of(study::self_attention(), many).learnt == 1.0);
+
+  // Grouped by function (task I-b), a window of 512 tokens sees about 2 of 16 blocks of 256.
+  icl::TaskConfig blocked = small_icl(4096, 16, 256, 12);
+  blocked.blocked = true;
+  const auto grouped = icl::make_task<float>(blocked);
+  CHECK(icl_of(study::sliding_window(512), grouped).learnt <= 0.5);
+  CHECK(icl_of(study::self_attention(), grouped).learnt == 1.0);
 }

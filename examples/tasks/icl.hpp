@@ -15,6 +15,12 @@
 // and per function the same ratio over its queries; a function is "learnt" when its NMSE < 0.5.
 // Reference: region_mean_oracle() predicts A_f xbar_f, xbar_f the mean input of the stream's
 // examples of f: it knows the function but not the input's position inside the region.
+//
+// Blocked variant (task I-b, `blocked = true`): the same functions, examples and queries as the
+// interleaved stream of the same seed, but the examples are presented function by function: F
+// contiguous blocks, the functions in a random order (drawn after everything else), each block
+// keeping its examples' original order. A layer must then keep every function over the whole
+// context: a window of W tokens sees only the last functions.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -39,6 +45,7 @@ struct TaskConfig {
   Index queries = 1024;  // Q
   double region_noise = 0.5;
   double max_center_cosine = 0.5;
+  bool blocked = false;  // task I-b: examples grouped by function
   std::uint64_t seed = 1;
 
   void validate() const {
@@ -117,6 +124,35 @@ Task<Scalar> make_task(const TaskConfig& cfg) {
     const Eigen::VectorXd xs = x.cast<Scalar>().template cast<double>();
     task.queries.row(i) = xs.transpose().template cast<Scalar>();
     task.targets.row(i) = (task.maps[static_cast<std::size_t>(f)] * xs).transpose();
+  }
+
+  if (cfg.blocked) {
+    // Rank of each function in the presentation order (Fisher-Yates), then a stable sort of the
+    // examples by the rank of their function.
+    std::vector<Index> order(static_cast<std::size_t>(F));
+    for (Index f = 0; f < F; ++f) order[static_cast<std::size_t>(f)] = f;
+    for (Index f = 0; f + 1 < F; ++f)
+      std::swap(order[static_cast<std::size_t>(f)],
+                order[static_cast<std::size_t>(f + draw.below(F - f))]);
+    std::vector<Index> rank(static_cast<std::size_t>(F));
+    for (Index r = 0; r < F; ++r) rank[static_cast<std::size_t>(order[static_cast<std::size_t>(r)])] = r;
+    std::vector<Index> rows(static_cast<std::size_t>(T));
+    for (Index t = 0; t < T; ++t) rows[static_cast<std::size_t>(t)] = t;
+    std::stable_sort(rows.begin(), rows.end(), [&](Index a, Index b) {
+      return rank[static_cast<std::size_t>(task.example_function[static_cast<std::size_t>(a)])] <
+             rank[static_cast<std::size_t>(task.example_function[static_cast<std::size_t>(b)])];
+    });
+    Rows<Scalar> keys(T, dk), values(T, dv);
+    std::vector<Index> fn(static_cast<std::size_t>(T));
+    for (Index t = 0; t < T; ++t) {
+      const Index src = rows[static_cast<std::size_t>(t)];
+      keys.row(t) = task.keys.row(src);
+      values.row(t) = task.values.row(src);
+      fn[static_cast<std::size_t>(t)] = task.example_function[static_cast<std::size_t>(src)];
+    }
+    task.keys.swap(keys);
+    task.values.swap(values);
+    task.example_function.swap(fn);
   }
   return task;
 }

@@ -48,6 +48,10 @@ struct Setting {
   bool vq_on_stream = false;
   // icl only: add the point "oracle: region mean" (icl::region_mean_oracle), state bytes 0.
   bool oracle = false;
+  // icl only: task I-b, the examples grouped by function (icl::TaskConfig::blocked). The stream
+  // holds the same examples as the interleaved one of the same seed, and the VQ codebooks are
+  // shared with it (k-means does not see the order).
+  bool blocked = false;
 };
 
 struct Point {
@@ -79,8 +83,10 @@ inline recall::TaskConfig recall_config(Index T, Index M, Index Q, std::uint64_t
   return c;
 }
 
-inline icl::TaskConfig icl_config(Index T, Index F, Index Q, std::uint64_t seed) {
+inline icl::TaskConfig icl_config(Index T, Index F, Index Q, std::uint64_t seed,
+                                  bool blocked = false) {
   icl::TaskConfig c;
+  c.blocked = blocked;
   c.key_dim = kDim;
   c.value_dim = kDim;
   c.context = T;
@@ -172,7 +178,7 @@ inline std::vector<Point> run_settings(const std::vector<Setting>& settings,
           recall::make_task<Scalar>(recall_config(s.context, s.items, s.queries, s.seed)));
     } else {
       st.icl = std::make_unique<icl::Task<Scalar>>(
-          icl::make_task<Scalar>(icl_config(s.context, s.items, s.queries, s.seed)));
+          icl::make_task<Scalar>(icl_config(s.context, s.items, s.queries, s.seed, s.blocked)));
     }
   });
 
