@@ -20,6 +20,7 @@
 //   BM_<Mixer>_prefill/T:<tokens>/<mixer parameters>/d:<head dim>/H:<heads>       (Hq = Hkv)
 //   BM_<Mixer>_prefill/T:<tokens>/.../d:<d>/Hq:<query heads>/Hkv:<kv heads>      (grouped)
 //   BM_<Mixer>_decode/ctx:<context>/.../d:<d>/H:<heads>
+//   BM_OVQ_prefill_full/..., BM_OVQ_decode_full/...: OVQ from a dictionary already at capacity
 // Google Benchmark appends "/real_time" (every case uses real time).
 #include <benchmark/benchmark.h>
 
@@ -325,6 +326,23 @@ inline OvqWork ovq_stream(const ovq::OvqOptions& opt, std::int64_t t_begin, std:
   return work;
 }
 
+// The same work for a stream whose dictionary is already at capacity when it starts (and so
+// stays there: the growth opens nothing once n = N): every token reads N memory rows plus its
+// chunk's local rows, every completed chunk is assigned against the N centroids, nothing is
+// seeded. Chunks start at multiples of L from the beginning of the stream, as in the state.
+inline OvqWork ovq_stream_full(const ovq::OvqOptions& opt, std::int64_t t_begin,
+                               std::int64_t tokens) {
+  const Index chunk = opt.chunk;
+  const double n = static_cast<double>(opt.capacity);
+  OvqWork work;
+  for (std::int64_t pos = t_begin; pos < t_begin + tokens; ++pos) {
+    const Index p = static_cast<Index>(pos % chunk);
+    work.read_rows += n + static_cast<double>(p + 1);
+    if (p == chunk - 1) work.scored += static_cast<double>(chunk) * n;
+  }
+  return work;
+}
+
 // Dictionary size after t tokens (whole chunks absorbed).
 inline Index ovq_size_after(const ovq::OvqOptions& opt, std::int64_t tokens) {
   Index n = 0;
@@ -387,11 +405,13 @@ inline benchmark::internal::Benchmark* add_case(const std::string& name,
 // Drivers
 // ---------------------------------------------------------------------------------------------
 
-// Prefill: one forward over T tokens of every head from empty states, per iteration. The reset
-// is untimed; inputs and outputs exist (and are touched) before the timed loop.
+// Prefill: one forward over T tokens of every head per iteration, from empty states, or from a
+// copy of `start` (one state per kv head) when given. The reset or copy is untimed; inputs and
+// outputs exist (and are touched) before the timed loop.
 template <class Mixer>
 void run_prefill(benchmark::State& st, ovq::MultiHead<Mixer>& layer, Index tokens,
-                 double flops_per_iteration) {
+                 double flops_per_iteration,
+                 const std::vector<typename Mixer::State>* start = nullptr) {
   const Index hq = layer.query_heads();
   const Index hkv = layer.kv_heads();
   const Index d = layer.key_dim();
@@ -400,7 +420,11 @@ void run_prefill(benchmark::State& st, ovq::MultiHead<Mixer>& layer, Index token
   layer.set_threads(configured_threads());
   for (auto _ : st) {
     st.PauseTiming();
-    layer.reset();
+    if (start != nullptr) {
+      layer.states() = *start;
+    } else {
+      layer.reset();
+    }
     st.ResumeTiming();
     layer.forward(in.q, in.k, in.v, o);
     benchmark::DoNotOptimize(o.data());

@@ -5,12 +5,27 @@
 //   BM_OVQ_prefill/T:<T>/N:2048/L:128/d:128/H:2        T = 16384, 32768, 65536
 //   BM_OVQ_prefill/T:16384/N:<N>/L:<L>/d:128/H:8       N = 512, 2048, 8192 x L = 64, 128, 256
 //   BM_OVQ_prefill/T:4096/N:2048/L:128/d:128/Hq:32/Hkv:8
+//   BM_OVQ_prefill_full/T:<T>/N:2048/L:128/d:128/H:<H> T = 16384, 65536, H = 2, 8
 //   BM_OVQ_decode/ctx:<C>/N:<N>/d:128/H:8              C = 1k ... 64k, N = 512, 2048, 8192 (L 128)
 //   BM_OVQ_decode/ctx:<C>/N:2048/d:128/Hq:32/Hkv:8
+//   BM_OVQ_decode_full/ctx:<C>/N:2048/d:128/H:8        C = 4096, 65536 (L 128)
+//
+// BM_OVQ_prefill and BM_OVQ_decode start from empty states, so their dictionary is still
+// growing: the dirichlet schedule holds G(16384) = 1821 of 2048 rows, and far fewer at 4k. The
+// _full cases measure OVQ at capacity: their starting state is a context absorbed (untimed, with
+// generated inputs) by a mixer with the same capacity, chunk and beta but linear growth at one
+// centroid per token, which fills the dictionary after N tokens; the timed mixer has the default
+// options, and its growth opens nothing from a full dictionary, so n = N throughout.
+//   prefill_full: the context is 2 N tokens; every iteration runs the T tokens from a fresh copy
+//                 of it (the copy is untimed).
+//   decode_full:  the context is C tokens, so t = C as in a real stream at that context.
 //
 // FLOPs count the reads, the assignment and the seeding, with dictionary sizes simulated through
-// the growth schedule (flops::ovq_stream). Decode amortises the chunk writes: the states are put
+// the growth schedule (flops::ovq_stream), or fixed at N for the _full cases
+// (flops::ovq_stream_full: no seeding). Decode amortises the chunk writes: the states are put
 // back to the context every 2 L steps, so each timed stretch holds exactly two writes per head.
+#include <stdexcept>
+
 #include "bench_common.hpp"
 
 namespace {
@@ -49,6 +64,50 @@ void prefill_case(Index tokens, Index capacity, Index chunk, Index d, Index hq, 
   });
 }
 
+// Options of the mixer that writes the _full cases' contexts: the timed mixer's, with linear
+// growth at one centroid per token (full after N tokens).
+ovq::OvqOptions filling(const ovq::OvqOptions& opt) {
+  ovq::OvqOptions fill = opt;
+  fill.growth = ovq::Growth::linear(1.0);
+  return fill;
+}
+
+// kv-head states after a context of ctx tokens written by the filling mixer (cached, extended in
+// place by a longer context of the same key). Throws if the dictionary is not full.
+const ovq::MultiHead<Mixer>& full_context(const ovq::OvqOptions& opt, Index ctx, Index d,
+                                          Index hkv) {
+  const Mixer fill(filling(opt));
+  const auto& context = absorbed_context<Mixer>(
+      "ovq-full/N:" + std::to_string(opt.capacity) + "/L:" + std::to_string(opt.chunk) +
+          "/d:" + std::to_string(d) + "/Hkv:" + std::to_string(hkv),
+      ctx, [&] { return ovq::MultiHead<Mixer>(fill, 1, hkv, hkv, d, d); });
+  for (const Mixer::State& s : context.states()) {
+    if (s.dictionary().size() != opt.capacity || s.tokens() != ctx) {
+      throw std::runtime_error("warm-up context: dictionary " +
+                               std::to_string(s.dictionary().size()) + " of " +
+                               std::to_string(opt.capacity) + " rows after " +
+                               std::to_string(s.tokens()) + " tokens, expected full after " +
+                               std::to_string(ctx));
+    }
+  }
+  return context;
+}
+
+// Prefill of T tokens from a state whose dictionary is already full (a 2 N-token context).
+void prefill_full_case(Index tokens, Index capacity, Index chunk, Index d, Index hq, Index hkv) {
+  const std::string name = case_name(
+      "BM_OVQ_prefill_full", {{"T", tokens}, {"N", capacity}, {"L", chunk}, {"d", d}}, hq, hkv);
+  add_case(name, [=](benchmark::State& st) {
+    const ovq::OvqOptions opt = options(capacity, chunk);
+    const Index warm = 2 * capacity;  // a multiple of L: the prefill starts on a chunk boundary
+    const std::vector<Mixer::State> start = full_context(opt, warm, d, hkv).states();
+    ovq::MultiHead<Mixer> layer(Mixer(opt), 1, hq, start);
+    const double work = flops::ovq_stream_full(opt, warm, tokens).total(d, d, hq, hkv);
+    run_prefill(st, layer, tokens, work, &start);
+    note_dictionary(st, name, layer.states().front(), capacity);
+  });
+}
+
 void decode_case(Index ctx, Index capacity, Index d, Index hq, Index hkv) {
   constexpr Index kChunk = 128;
   const std::string name =
@@ -67,6 +126,24 @@ void decode_case(Index ctx, Index capacity, Index d, Index hq, Index hkv) {
   });
 }
 
+// Decode at context ctx with the dictionary at capacity (the context written by the filling
+// mixer, t = ctx).
+void decode_full_case(Index ctx, Index capacity, Index d, Index hq, Index hkv) {
+  constexpr Index kChunk = 128;
+  const std::string name =
+      case_name("BM_OVQ_decode_full", {{"ctx", ctx}, {"N", capacity}, {"d", d}}, hq, hkv);
+  add_case(name, [=](benchmark::State& st) {
+    const ovq::OvqOptions opt = options(capacity, kChunk);
+    const Mixer mixer(opt);
+    const auto& context = full_context(opt, ctx, d, hkv);
+    const Index restore = 2 * kChunk;
+    const double per_step =
+        flops::ovq_stream_full(opt, ctx, restore).total(d, d, hq, hkv) / restore;
+    run_decode(st, mixer, context, hq, restore, per_step);
+    note_dictionary(st, name, context.states().front(), capacity);
+  });
+}
+
 void register_cases() {
   for (Index d : {64, 128}) {
     for (Index t = 512; t <= 65536; t *= 2) prefill_case(t, 2048, 128, d, 8, 8);
@@ -81,12 +158,17 @@ void register_cases() {
     }
   }
   prefill_case(4096, 2048, 128, 128, 32, 8);
+  // At capacity; the same heads in a row share the warm-up context.
+  for (Index h : {2, 8}) {
+    for (Index t : {16384, 65536}) prefill_full_case(t, 2048, 128, 128, h, h);
+  }
   for (Index capacity : {512, 2048, 8192}) {
     for (Index ctx : {1024, 4096, 16384, 65536}) {
       decode_case(ctx, capacity, 128, 8, 8);
       if (capacity == 2048 && (ctx == 4096 || ctx == 65536)) decode_case(ctx, capacity, 128, 32, 8);
     }
   }
+  for (Index ctx : {4096, 65536}) decode_full_case(ctx, 2048, 128, 8, 8);
 }
 
 }  // namespace

@@ -126,7 +126,7 @@ vq and ovq
                         "t" and "pending" are arrays with one entry per head.
                         n: active rows; t: tokens absorbed into the dictionary
                         (the counts add up to t); pending: tokens of the current,
-                        incomplete chunk (ovq; always 0 for vq).
+                        incomplete chunk, not yet in the counts.
 
 Options take their value as the next argument or as --name=value. Numbers must be
 complete decimal numbers; their ranges are checked by the library.
@@ -661,7 +661,7 @@ struct HeadSummary {
 
 template <class Scalar>
 HeadSummary summary(const ovq::VqState<Scalar>& s) {
-  return {s.dictionary().size(), s.tokens(), 0};
+  return {s.dictionary().size(), s.absorbed(), s.pending()};
 }
 
 template <class Scalar>

@@ -349,10 +349,19 @@ std::string describe(const OvqOptions& o) {
       " eta=", o.rate.eta, " renormalize=", o.renormalize);
 }
 
-// Tokens that complete the current chunk (only OVQ keeps a partial chunk).
+// Tokens that complete the current chunk (self-attention keeps no partial chunk; linear, VQ
+// and OVQ states keep the rows of theirs pending).
 template <class State>
 Index tokens_to_boundary(const State&, Index chunk) {
   return chunk;
+}
+template <class S>
+Index tokens_to_boundary(const LinearState<S>& state, Index chunk) {
+  return chunk - state.pending();
+}
+template <class S>
+Index tokens_to_boundary(const VqState<S>& state, Index chunk) {
+  return chunk - state.pending();
 }
 template <class S>
 Index tokens_to_boundary(const OvqState<S>& state, Index chunk) {

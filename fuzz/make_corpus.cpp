@@ -4,11 +4,14 @@
 //   ovq_fuzz_make_corpus OUT_DIR      writes OUT_DIR/fuzz_state_file/*, OUT_DIR/fuzz_mixers/*
 //
 // State files: one state of each mixer kind, float and double, alone and in a multi-head layer,
-// after a few tokens (an OVQ state with a partial chunk pending), with options that differ from
-// the defaults. Each is written as it is (NAME.state) and behind control byte 0x01 (NAME.fixed:
-// fuzz_state_file then repairs the payload size and checksum of mutated copies).
+// after a few tokens (linear, VQ and OVQ states with a partial chunk pending), with options that
+// differ from the defaults; and one state of each kind after whole chunks as a version-1 file
+// (NAME_v1: the format before linear and VQ states kept pending rows, which loaders still read).
+// Each is written as it is (NAME.state) and behind control byte 0x01 (NAME.fixed: fuzz_state_file
+// then repairs the payload size and checksum of mutated copies).
 // Mixer seeds: the first bytes fuzz_mixers reads (seed, scalar type, kind, multi-head, dk, dv),
 // default options, then a short tail of calls and values.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -42,6 +45,55 @@ RowMatrix<S> values(Index rows, Index cols, int salt) {
   return m;
 }
 
+void write_seed(const fs::path& dir, const std::string& file, const Bytes& bytes) {
+  write(dir / (file + ".state"), bytes);
+  Bytes fixed{0x01};
+  fixed.insert(fixed.end(), bytes.begin(), bytes.end());
+  write(dir / (file + ".fixed"), fixed);
+}
+
+// Version-1 state payloads: linear dk, dv, tokens, S, z; VQ codes, dk, dv, codebook, mean values,
+// counts (nothing pending in either). Self-attention and OVQ payloads did not change.
+template <class S>
+bool put_version1(io::state_detail::Writer& w, const LinearState<S>& s) {
+  w.put<std::int64_t>(s.key_dim());
+  w.put<std::int64_t>(s.value_dim());
+  w.put<std::int64_t>(s.tokens());
+  w.put_rows(rows_view(s.kv()));
+  w.put_rows(rows_view(s.k_sum()));
+  return true;
+}
+template <class S>
+bool put_version1(io::state_detail::Writer& w, const VqState<S>& s) {
+  w.put<std::int64_t>(s.codebook_size());
+  w.put<std::int64_t>(s.key_dim());
+  w.put<std::int64_t>(s.value_dim());
+  io::state_detail::put_dictionary_rows(w, s.dictionary());
+  return true;
+}
+template <class State>
+bool put_version1(io::state_detail::Writer&, const State&) {
+  return false;  // the version-2 payload is the version-1 payload
+}
+
+// A state with nothing pending as a version-1 file.
+template <class Mixer>
+Bytes version1_file(const Mixer& mixer, const typename Mixer::State& state) {
+  using namespace io::state_detail;
+  const Bytes v2 = io::encode_state(mixer, state);
+  Writer options;
+  put_options(options, mixer.options());
+  const std::size_t state_at = kHeaderSize + options.bytes().size();
+  Writer w;
+  for (std::size_t i = 0; i < state_at; ++i) w.put(v2[i]);
+  if (!put_version1(w, state))
+    for (std::size_t i = state_at; i + 4 < v2.size(); ++i) w.put(v2[i]);
+  Writer version;
+  version.put<std::uint32_t>(1);
+  std::copy(version.bytes().begin(), version.bytes().end(), w.bytes().begin() + 8);
+  return finish(w);
+}
+
 // One state after `tokens` tokens, and a layer (batch 1, 2 query heads, 1 key/value head).
 template <class Mixer>
 void write_states(const fs::path& dir, const std::string& name, const Mixer& mixer,
@@ -58,13 +110,15 @@ void write_states(const fs::path& dir, const std::string& name, const Mixer& mix
   layer.forward(values<S>(2 * tokens, dk, 4), values<S>(tokens, dk, 5), values<S>(tokens, dv, 6));
   const Bytes multi = io::encode_state(layer);
 
-  for (const auto& [file, bytes] : {std::pair<std::string, const Bytes&>{name + suffix, one},
-                                    std::pair<std::string, const Bytes&>{name + suffix + "_mh", multi}}) {
-    write(dir / (file + ".state"), bytes);
-    Bytes fixed{0x01};
-    fixed.insert(fixed.end(), bytes.begin(), bytes.end());
-    write(dir / (file + ".fixed"), fixed);
-  }
+  write_seed(dir, name + suffix, one);
+  write_seed(dir, name + suffix + "_mh", multi);
+
+  // Whole chunks only (nothing pending), as a version-1 file.
+  typename Mixer::State whole = layer.state(0, 0);
+  whole.reset();
+  const Index chunks = 2 * mixer.options().chunk;
+  mixer.forward(whole, values<S>(chunks, dk, 7), values<S>(chunks, dk, 8), values<S>(chunks, dv, 9));
+  write_seed(dir, name + suffix + "_v1", version1_file(mixer, whole));
 }
 
 template <class S>

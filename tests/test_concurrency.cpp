@@ -23,6 +23,10 @@
 #include <unistd.h>
 #endif
 
+// Everything below lives in this file's own namespace, so the suite can be built as one
+// unity source without the files' helpers colliding.
+namespace ovq_test_concurrency {
+
 namespace {
 
 using ovq::Index;
@@ -319,3 +323,5 @@ TEST_CASE("threads: concurrent save_state to one path leaves one complete file",
   }
   CHECK(files == 1);
 }
+
+}  // namespace ovq_test_concurrency

@@ -20,6 +20,10 @@
 #include "support/fixtures.hpp"
 #include "support/matchers.hpp"
 
+// Everything below lives in this file's own namespace, so the suite can be built as one
+// unity source without the files' helpers colliding.
+namespace ovq_test_errors {
+
 namespace {
 
 using ovq::Index;
@@ -612,6 +616,69 @@ TEST_CASE("errors: an OVQ state of another capacity or chunk length is rejected"
   CHECK(state == before);
 }
 
+// Linear and VQ states hold the pending rows of a chunk of the mixer's length: a mixer of another
+// chunk length must not continue them.
+template <class Mixer, class State>
+void check_chunk_mismatch(const Mixer& other, State& state, Index other_chunk) {
+  using S = typename Mixer::scalar_type;
+  const auto before = state;
+  const std::string got = str("state chunk = ", state.chunk());
+  const std::string want = str("expected ", other_chunk, " (the mixer's)");
+  Inputs<S> in(5, state.key_dim(), state.value_dim(), 74);
+  CHECK_ARG_ERROR(other.forward(state, in.q, in.k, in.v, in.o), "forward", got, want);
+  CHECK_ARG_ERROR(other.step(state, Vec<S>(in.q.row(0)), Vec<S>(in.k.row(0)), Vec<S>(in.v.row(0))),
+                  "step", got, want);
+  CHECK_ARG_ERROR(other.absorb(state, in.k, in.v), "absorb", got, want);
+  const ovq::ConstRowsView<S> qs[1] = {ovq::rows_view(in.q)};
+  const ovq::RowsView<S> os[1] = {ovq::rows_view(in.o)};
+  CHECK_ARG_ERROR(other.forward_heads(state, qs, 1, ovq::rows_view(in.k), ovq::rows_view(in.v), os),
+                  got, want);
+  CHECK_ARG_ERROR(ovq::MultiHead<Mixer>(other, 1, 2, std::vector<State>{state}), "MultiHead", got,
+                  want);
+  CHECK(state == before);
+}
+
+TEST_CASE("errors: a linear or VQ state of another chunk length is rejected, state kept",
+          "[errors]") {
+  const Inputs<double> warm(7, 4, 3, 73);
+  {
+    INFO("linear attention");
+    ovq::LinearAttentionOptions o;
+    o.chunk = 4;
+    const ovq::LinearAttention<double> m4(o);
+    o.chunk = 8;
+    const ovq::LinearAttention<double> m8(o);
+    auto state = m4.make_state(4, 3);
+    m4.forward(state, warm.q, warm.k, warm.v);  // 1 chunk absorbed, 3 rows pending
+    REQUIRE(state.pending() == 3);
+    check_chunk_mismatch(m8, state, 8);
+    CHECK_ARG_ERROR(m8.sums(state), "sums", "state chunk = 4", "expected 8");
+    // A chunk of 1 keeps nothing pending, but is still another state.
+    o.chunk = 1;
+    const ovq::LinearAttention<double> m1(o);
+    auto state1 = m1.make_state(4, 3);
+    m1.forward(state1, warm.q, warm.k, warm.v);
+    check_chunk_mismatch(m4, state1, 4);
+    CHECK_ARG_ERROR(ovq::LinearAttention<float>(o).make_state(4, 0), "dv = 0");
+  }
+  {
+    INFO("VQ-attention");
+    const ovq::VqAttention<double> m4(ovq::VqAttentionOptions{1.0, 4});
+    const ovq::VqAttention<double> m3(ovq::VqAttentionOptions{1.0, 3});
+    auto state = m4.make_state(ovq::test::random_matrix<double>(5, 4, 75), 3);
+    m4.forward(state, warm.q, warm.k, warm.v);
+    REQUIRE(state.pending() == 3);
+    check_chunk_mismatch(m3, state, 3);
+  }
+  {
+    INFO("the states' own constructors check the chunk");
+    CHECK_ARG_ERROR(ovq::LinearState<double>(4, 3, 0), "LinearState", "chunk = 0", "expected >= 1");
+    const Mat<double> codebook = ovq::test::random_matrix<double>(5, 4, 76);
+    CHECK_ARG_ERROR(ovq::VqState<double>(ovq::rows_view(codebook), 3, 0), "VqState", "chunk = 0",
+                    "expected >= 1");
+  }
+}
+
 TEST_CASE("errors: a self-attention state of a window mixer is rejected by another", "[errors]") {
   ovq::SelfAttentionOptions win;
   win.window = 4;
@@ -898,3 +965,5 @@ TEST_CASE("errors: a MultiHead with one misconfigured state changes none of them
   CHECK_ARG_ERROR(mh.forward(q, k, v), "K has 4 columns", "expected 5", "dk");
   CHECK(mh.states() == before2);
 }
+
+}  // namespace ovq_test_errors

@@ -28,6 +28,10 @@
 #include "support/catch.hpp"
 #include "support/fixtures.hpp"
 
+// Everything below lives in this file's own namespace, so the suite can be built as one
+// unity source without the files' helpers colliding.
+namespace ovq_test_extremes {
+
 namespace {
 
 using ovq::Index;
@@ -709,3 +713,5 @@ TEMPLATE_TEST_CASE("extremes: OVQ with chunk 1 writes every token at once", "[ex
 }
 
 }  // namespace
+
+}  // namespace ovq_test_extremes

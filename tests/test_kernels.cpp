@@ -7,6 +7,10 @@
 #include "support/catch.hpp"
 #include "support/fixtures.hpp"
 
+// Everything below lives in this file's own namespace, so the suite can be built as one
+// unity source without the files' helpers colliding.
+namespace ovq_test_kernels {
+
 using namespace ovq;
 using ovq::test::random_matrix;
 using ovq::test::relative_error;
@@ -137,6 +141,94 @@ TEST_CASE("read kernel: AVX2 micro-kernels == formula", "[kernels][read]") {
 }
 #endif
 
+namespace {
+
+// Reads keys at absolute positions [0, n): the first `boundary` as memory (a key/value cache
+// starting at `origin`), the rest as local rows; queries are the positions [first, first + count)
+// of the local part, in one call. Returns count x dv for one head.
+template <class Scalar, class Arch>
+RowMatrix<Scalar> read_positions(const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& k,
+                                 const RowMatrix<Scalar>& v, Index origin, Index boundary,
+                                 Index first, Index count, Index window) {
+  const Index n = k.rows();
+  const RowMatrix<Scalar> qs = q.middleRows(first, count);
+  RowMatrix<Scalar> o(count, v.cols());
+  const RowMatrix<Scalar> km = k.topRows(boundary), vm = v.topRows(boundary);
+  const RowMatrix<Scalar> kl = k.bottomRows(n - boundary), vl = v.bottomRows(n - boundary);
+  const kernels::MemoryRows<Scalar> memory{rows_view(km), rows_view(vm), nullptr, origin};
+  const kernels::LocalRows<Scalar> local{rows_view(kl), rows_view(vl)};
+  const kernels::ReadMask mask{true, first - boundary, window};
+  kernels::read<Scalar, Arch>(rows_view(qs), memory, local, mask, Scalar(0.7), rows_view(o));
+  return o;
+}
+
+// A query's output is the same bits whether it is read alone (decode), with others (prefill),
+// with the stream cut elsewhere (memory/local boundary moved), on one thread or several.
+template <class Scalar, class Arch>
+void check_read_cut_invariance(Index n, Index d, Index window, Index origin, std::uint64_t seed) {
+  const auto q = random_matrix<Scalar>(n, d, seed, 0.6);
+  const auto k = random_matrix<Scalar>(n, d, seed + 1);
+  const auto v = random_matrix<Scalar>(n, d, seed + 2);
+  const Index boundary = n / 3;
+  // Reference: the last two thirds of the positions in one call.
+  const RowMatrix<Scalar> whole =
+      read_positions<Scalar, Arch>(q, k, v, origin, boundary, boundary, n - boundary, window);
+  INFO("n " << n << " d " << d << " window " << window << " origin " << origin);
+  for (Index cut : {boundary, boundary + 1, boundary + 31, boundary + 64, n - 1}) {
+    if (cut >= n) continue;
+    // Cut at `cut`: the part before it is memory; every remaining query alone, then all at once.
+    for (Index i = cut; i < n; i += std::max<Index>(1, (n - cut) / 7)) {
+      const RowMatrix<Scalar> alone = read_positions<Scalar, Arch>(q, k, v, origin, cut, i, 1, window);
+      CAPTURE(cut, i);
+      CHECK(alone.row(0) == whole.row(i - boundary));
+    }
+    const RowMatrix<Scalar> rest =
+        read_positions<Scalar, Arch>(q, k, v, origin, cut, cut, n - cut, window);
+    CAPTURE(cut);
+    CHECK(rest == whole.bottomRows(n - cut));
+  }
+#if defined(OVQ_HAS_OPENMP)
+  const int threads = omp_get_max_threads();
+  omp_set_num_threads(1);
+  const RowMatrix<Scalar> one_thread =
+      read_positions<Scalar, Arch>(q, k, v, origin, boundary, boundary, n - boundary, window);
+  const RowMatrix<Scalar> last_alone =
+      read_positions<Scalar, Arch>(q, k, v, origin, boundary, n - 1, 1, window);
+  omp_set_num_threads(threads);
+  CHECK(one_thread == whole);
+  CHECK(last_alone.row(0) == whole.row(n - 1 - boundary));
+#endif
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("read kernel: a query's output does not depend on its call, cut or threads",
+                   "[kernels][read][cut]", float, double) {
+  for (Index window : {0, 1, 50, 700}) {
+    check_read_cut_invariance<TestType, arch::native>(2600, 64, window, 0, 7 + window);
+    check_read_cut_invariance<TestType, arch::native>(300, 24, window, 1000 + 13, 8 + window);
+    check_read_cut_invariance<TestType, arch::scalar>(400, 16, window, 5, 9 + window);
+  }
+}
+
+TEMPLATE_TEST_CASE("read kernel: a long decode split across threads == the prefill's rows",
+                   "[kernels][read][cut]", float, double) {
+  // 20000 keys x 2 x 128 flops: enough work for the decode path to split the memory's merge
+  // blocks across threads; the prefill of the last 150 positions splits query tiles instead.
+  const Index n = 20000, d = 64, tail = 150;
+  const auto q = random_matrix<TestType>(n, d, 31, 0.3);
+  const auto k = random_matrix<TestType>(n, d, 32);
+  const auto v = random_matrix<TestType>(n, d, 33);
+  const RowMatrix<TestType> prefill =
+      read_positions<TestType, arch::native>(q, k, v, 0, n - tail, n - tail, tail, 0);
+  for (Index i : {n - tail, n - tail + 77, n - 1}) {
+    const RowMatrix<TestType> alone =
+        read_positions<TestType, arch::native>(q, k, v, 0, i, i, 1, 0);
+    CAPTURE(i);
+    CHECK(alone.row(0) == prefill.row(i - (n - tail)));
+  }
+}
+
 TEST_CASE("read kernel: huge logits stay finite and pick the maximum", "[kernels][read]") {
   // beta q . k spans thousands: exp of the differences underflows to exactly 0 everywhere but
   // at the maximum, without NaN.
@@ -265,3 +357,5 @@ TEST_CASE("online softmax: merging two halves equals one pass", "[kernels][softm
   merge_softmax(o_e, empty, o_all, all, 5);  // merging into an empty state copies
   CHECK(empty.l == all.l);
 }
+
+}  // namespace ovq_test_kernels

@@ -9,6 +9,10 @@
 #include "support/catch.hpp"
 #include "support/fixtures.hpp"
 
+// Everything below lives in this file's own namespace, so the suite can be built as one
+// unity source without the files' helpers colliding.
+namespace ovq_test_kmeans {
+
 namespace {
 
 using ovq::Index;
@@ -180,3 +184,5 @@ TEST_CASE("a fitted codebook drives VQ-attention", "[kmeans]") {
   // Each code collected exactly one cluster: 32 keys each.
   for (Index s = 0; s < 4; ++s) CHECK(state.dictionary().count(s) == 32);
 }
+
+}  // namespace ovq_test_kmeans

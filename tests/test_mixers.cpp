@@ -8,11 +8,17 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "support/catch.hpp"
 #include "support/fixtures.hpp"
+
+// Everything below lives in this file's own namespace, so the suite can be built as one
+// unity source without the files' helpers colliding.
+namespace ovq_test_mixers {
 
 namespace {
 
@@ -125,17 +131,22 @@ void check_same_state(const KvCache<S>& a, const KvCache<S>& b, double) {
   CHECK(a == b);
 }
 
-// S and z are sums whose order depends on the chunking: equal to rounding; the token count exactly.
+// Bitwise: (S, z) only ever absorb complete chunks at fixed stream positions, by the same code
+// on the same rows; the pending rows are copies of the inputs.
 template <class S>
-void check_same_state(const LinearState<S>& a, const LinearState<S>& b, double tol) {
+void check_same_state(const LinearState<S>& a, const LinearState<S>& b, double) {
   CHECK(a.tokens() == b.tokens());
-  CHECK(relative_error(a.kv(), b.kv()) <= tol);
-  CHECK(relative_error(a.k_sum(), b.k_sum()) <= tol);
+  CHECK(a.absorbed() == b.absorbed());
+  CHECK(a.pending() == b.pending());
+  CHECK((a.kv() == b.kv()));
+  CHECK((a.k_sum() == b.k_sum()));
+  CHECK(a == b);
 }
 
-// Counts are integers (exact); the mean values depend on the chunking through rounding only.
+// Bitwise, like OVQ: counts and means only ever absorb complete chunks; the pending rows are
+// their codes and copies of the input values.
 template <class S>
-void check_same_state(const VqState<S>& a, const VqState<S>& b, double tol) {
+void check_same_state(const VqState<S>& a, const VqState<S>& b, double) {
   const Dictionary<S>& da = a.dictionary();
   const Dictionary<S>& db = b.dictionary();
   REQUIRE(da.size() == db.size());
@@ -144,8 +155,10 @@ void check_same_state(const VqState<S>& a, const VqState<S>& b, double tol) {
     CHECK(da.count(r) == db.count(r));
   }
   CHECK(a.tokens() == b.tokens());
+  CHECK(a.pending() == b.pending());
   CHECK((as_eigen(da.keys()) == as_eigen(db.keys())));
-  CHECK(relative_error(as_eigen(da.values()), as_eigen(db.values())) <= tol);
+  CHECK((as_eigen(da.values()) == as_eigen(db.values())));
+  CHECK(a == b);
 }
 
 // Bitwise: the dictionary write only sees complete chunks of the pending buffer (copies of the
@@ -341,9 +354,13 @@ void linear_attention_against_reference() {
             auto st = mixer.make_state(sh.dk, sh.dv);
             const RowMatrix<S> o = mixer.forward(st, x.q, x.k, x.v);
             CHECK(relative_error(o, want) <= tol);
-            CHECK(relative_error(st.kv(), ref_state.s) <= tol);
-            CHECK(relative_error(st.k_sum(), ref_state.z.transpose()) <= tol);
+            // The state keeps the last, incomplete chunk apart; sums() folds it in.
+            const auto sums = mixer.sums(st);
+            CHECK(relative_error(sums.kv, ref_state.s) <= tol);
+            CHECK(relative_error(sums.k_sum, ref_state.z.transpose()) <= tol);
             CHECK(st.tokens() == sh.t);
+            CHECK(st.pending() == sh.t % chunk);
+            CHECK(st.absorbed() == sh.t - sh.t % chunk);
           }
         }
       }
@@ -405,13 +422,23 @@ void vq_attention_against_reference() {
         auto st = mixer.make_state(codebook, sh.dv);
         const RowMatrix<S> o = mixer.forward(st, x.q, x.k, x.v);
         CHECK(relative_error(o, want) <= tol);
-        // The state: per code the number of keys quantised to it and the mean of their values.
+        // The state: per code the number of keys of the complete chunks quantised to it and the
+        // mean of their values; the last, incomplete chunk pending (codes and values).
+        const Index absorbed = sh.t - sh.t % chunk;
+        REQUIRE(st.pending() == sh.t % chunk);
+        for (Index j = absorbed; j < sh.t; ++j) {
+          CAPTURE(j);
+          CHECK(st.pending_codes()[j - absorbed] == z[static_cast<std::size_t>(j)]);
+          CHECK((as_eigen(st.pending_values()).row(j - absorbed) == x.v.row(j)));
+          CHECK((as_eigen(st.pending_keys()).row(j - absorbed) ==
+                 codebook.row(z[static_cast<std::size_t>(j)])));
+        }
         const Dictionary<S>& d = st.dictionary();
         REQUIRE(d.size() == codes);
         CHECK((as_eigen(d.keys()) == codebook));
         DMat mean = DMat::Zero(codes, sh.dv);
         std::vector<std::int64_t> count(static_cast<std::size_t>(codes), 0);
-        for (Index j = 0; j < sh.t; ++j) {
+        for (Index j = 0; j < absorbed; ++j) {
           mean.row(z[static_cast<std::size_t>(j)]) += x.vd.row(j);
           ++count[static_cast<std::size_t>(z[static_cast<std::size_t>(j)])];
         }
@@ -421,6 +448,7 @@ void vq_attention_against_reference() {
           if (count[static_cast<std::size_t>(s)] > 0) mean.row(s) /= static_cast<double>(count[static_cast<std::size_t>(s)]);
         }
         CHECK(relative_error(as_eigen(d.values()), mean) <= tol);
+        CHECK(st.absorbed() == absorbed);
         CHECK(st.tokens() == sh.t);
       }
     }
@@ -473,7 +501,7 @@ TEST_CASE("VQ-attention: nearest code by distance, ties to the smallest index", 
   q << 0.3, 0.2,  //
       -0.1, 0.4;
   v << 1.0, 3.0;
-  VqAttention<double> mixer(VqAttentionOptions{1.0, 64});
+  VqAttention<double> mixer(VqAttentionOptions{1.0, 2});  // one chunk: both keys are counted
   auto st = mixer.make_state(codebook, 1);
   const DMat o = mixer.forward(st, q, k, v);
   CHECK(relative_error(o, ref::vq_attention(q, k, v, codebook, 1.0)) <= 1e-14);
@@ -674,8 +702,8 @@ TEST_CASE("OVQ: a full dictionary only assigns and updates", "[ovq]") {
 // Streaming == chunked == uneven pieces, for all four mixers
 // ---------------------------------------------------------------------------------------------
 
-// Outputs agree to rounding: a read over a different number of query rows takes a different
-// GEMM path. States: see the check_same_state overloads (exact for KV cache and OVQ).
+// Outputs agree to rounding here (linear and VQ attention: bitwise, see "any split of a stream
+// gives the same bits" below). States: see the check_same_state overloads.
 template <class Mixer>
 void check_streaming(const Mixer& mixer, const typename Mixer::State& fresh,
                      const Qkv<typename Mixer::scalar_type>& x, Index l, double tol) {
@@ -1040,14 +1068,16 @@ TEST_CASE("bytes(): KV cache grows with rows, OVQ and linear states are constant
     CHECK(ws.bytes() == 5 * (dk + dv) * sizeof(double));  // the last W - 1 rows
   }
   {
+    // S and z, dk (dv + 1) scalars, and the pending buffer, L (dk + dv) scalars (L = 64).
     LinearAttention<float> mixer;
     auto st = mixer.make_state(dk, dv);
-    const std::size_t want = static_cast<std::size_t>(dk * (dv + 1)) * sizeof(float);
+    const std::size_t want = static_cast<std::size_t>(dk * (dv + 1) + 64 * (dk + dv)) * sizeof(float);
     CHECK(st.bytes() == want);
     mixer.forward(st, x.q, x.k, x.v);
     CHECK(st.bytes() == want);
     LinearAttention<double> mixer64;
-    CHECK(mixer64.make_state(dk, dv).bytes() == static_cast<std::size_t>(dk * (dv + 1)) * sizeof(double));
+    CHECK(mixer64.make_state(dk, dv).bytes() ==
+          static_cast<std::size_t>(dk * (dv + 1) + 64 * (dk + dv)) * sizeof(double));
   }
   {
     OvqOptions opt;
@@ -1068,4 +1098,274 @@ TEST_CASE("bytes(): KV cache grows with rows, OVQ and linear states are constant
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Linear and VQ attention: chunks at fixed stream positions, bitwise the same however the stream
+// is split into calls
+// ---------------------------------------------------------------------------------------------
+
+// Bitwise equality of two matrices of the same shape.
+template <class S>
+bool same_bits(const RowMatrix<S>& a, const RowMatrix<S>& b) {
+  return a.rows() == b.rows() && a.cols() == b.cols() &&
+         std::memcmp(a.data(), b.data(), static_cast<std::size_t>(a.size()) * sizeof(S)) == 0;
+}
+
+// Random piece lengths in [1, 2 L + 3], seeded, summing to t.
+std::vector<Index> random_pieces(Index t, Index l, std::uint64_t seed) {
+  std::mt19937_64 gen(seed);
+  std::uniform_int_distribution<Index> len(1, 2 * l + 3);
+  std::vector<Index> pieces;
+  for (Index left = t; left > 0;) {
+    const Index p = std::min(left, len(gen));
+    pieces.push_back(p);
+    left -= p;
+  }
+  return pieces;
+}
+
+// One forward call, token-by-token steps, uneven pieces, random pieces, and two query heads
+// through forward_heads: the same outputs and final state, bit for bit.
+template <class Mixer>
+void check_splits_exact(const Mixer& mixer, const typename Mixer::State& fresh,
+                        const Qkv<typename Mixer::scalar_type>& x, Index l) {
+  using S = typename Mixer::scalar_type;
+  const Index t = x.q.rows();
+  const Run<Mixer> whole = run_whole(mixer, fresh, x.q, x.k, x.v);
+  const Run<Mixer> steps = run_steps(mixer, fresh, x.q, x.k, x.v);
+  const Run<Mixer> uneven = run_pieces(mixer, fresh, x.q, x.k, x.v, uneven_pieces(t, l));
+  {
+    INFO("token by token vs one forward");
+    CHECK(same_bits(steps.o, whole.o));
+    check_same_state(steps.state, whole.state, 0.0);
+  }
+  {
+    INFO("uneven pieces vs one forward");
+    CHECK(same_bits(uneven.o, whole.o));
+    check_same_state(uneven.state, whole.state, 0.0);
+  }
+  for (std::uint64_t seed : {1, 2, 3}) {
+    INFO("random pieces, seed " << seed);
+    const Run<Mixer> r = run_pieces(mixer, fresh, x.q, x.k, x.v, random_pieces(t, l, seed));
+    CHECK(same_bits(r.o, whole.o));
+    check_same_state(r.state, whole.state, 0.0);
+  }
+  {
+    INFO("two query heads in pieces: each head as if alone");
+    typename Mixer::State st = fresh;
+    const RowMatrix<S> q2 = x.q.colwise().reverse();
+    RowMatrix<S> o1(t, x.v.cols()), o2(t, x.v.cols());
+    Index pos = 0;
+    for (Index p : random_pieces(t, l, 9)) {
+      const ConstRowsView<S> qs[2] = {rows_view(x.q.middleRows(pos, p)),
+                                      rows_view(q2.middleRows(pos, p))};
+      auto b1 = o1.middleRows(pos, p);
+      auto b2 = o2.middleRows(pos, p);
+      const RowsView<S> os[2] = {rows_view(b1), rows_view(b2)};
+      mixer.forward_heads(st, qs, 2, rows_view(x.k.middleRows(pos, p)),
+                          rows_view(x.v.middleRows(pos, p)), os);
+      pos += p;
+    }
+    CHECK(same_bits(o1, whole.o));
+    CHECK(same_bits(o2, run_whole(mixer, fresh, q2, x.k, x.v).o));
+    check_same_state(st, whole.state, 0.0);
+  }
+}
+
+template <class S, class Arch>
+void linear_splits_exact() {
+  // dk = 70 > every key tile (the S read runs over several tiles of dk); chunks of 1, 5, 33 and
+  // 100 tokens (100: several key tiles inside a chunk).
+  for (const Index dk : {Index(6), Index(70)}) {
+    for (const Index l : {Index(1), Index(5), Index(33), Index(100)}) {
+      const Index t = 3 * l + 7;
+      const Qkv<S> x = gaussian_qkv<S>(t, dk, 11, 4000 + static_cast<std::uint64_t>(l + dk));
+      for (FeatureMap map : {FeatureMap::identity, FeatureMap::elu1, FeatureMap::relu}) {
+        for (bool normalize : {false, true}) {
+          CAPTURE(Arch::kName, dk, l, static_cast<int>(map), normalize);
+          LinearAttentionOptions opt;
+          opt.beta = 0.7;
+          opt.feature_map = map;
+          opt.normalize = normalize;
+          opt.decay = normalize ? 0.9 : 1.0;
+          opt.chunk = l;
+          LinearAttention<S, Arch> mixer(opt);
+          check_splits_exact(mixer, mixer.make_state(dk, 11), x, l);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("linear attention: any split of a stream gives the same bits", "[linear][stream][exact]") {
+  linear_splits_exact<float, arch::native>();
+  linear_splits_exact<double, arch::native>();
+  linear_splits_exact<float, arch::scalar>();
+}
+
+TEST_CASE("VQ-attention: any split of a stream gives the same bits", "[vq][stream][exact]") {
+  for (const Index l : {Index(1), Index(5), Index(33), Index(100)}) {
+    const Index t = 3 * l + 7, dk = 8, dv = 6;
+    CAPTURE(l);
+    VqAttentionOptions opt;
+    opt.beta = 2.0;
+    opt.chunk = l;
+    {
+      INFO("float");
+      const Qkv<float> x = unit_qkv<float>(t, dk, dv, 4100 + static_cast<std::uint64_t>(l));
+      VqAttention<float> mixer(opt);
+      check_splits_exact(mixer, mixer.make_state(random_unit_rows<float>(9, dk, 4150), dv), x, l);
+    }
+    {
+      INFO("double");
+      const Qkv<double> x = unit_qkv<double>(t, dk, dv, 4200 + static_cast<std::uint64_t>(l));
+      VqAttention<double> mixer(opt);
+      check_splits_exact(mixer, mixer.make_state(random_unit_rows(9, dk, 4250), dv), x, l);
+    }
+  }
+}
+
+TEST_CASE("self-attention: any split of a stream gives the same bits", "[self][stream][exact]") {
+  // 1100 tokens: the KV cache crosses a 1024-position merge block; dv = 11 is not a multiple of
+  // a vector; windows that reach into the cache and that drop rows from it.
+  const Index t = 1100, dk = 16, dv = 11;
+  for (const Index window : {Index(0), Index(1), Index(40), Index(700)}) {
+    for (const Index chunk : {Index(1), Index(64), Index(256)}) {
+      CAPTURE(window, chunk);
+      SelfAttentionOptions opt;
+      opt.beta = 0.6;
+      opt.window = window;
+      opt.chunk = chunk;
+      {
+        const Qkv<float> x = gaussian_qkv<float>(t, dk, dv, 4300 + static_cast<std::uint64_t>(window));
+        SelfAttention<float> mixer(opt);
+        check_splits_exact(mixer, mixer.make_state(dk, dv), x, 97);
+        SelfAttention<float, arch::scalar> portable(opt);
+        check_splits_exact(portable, portable.make_state(dk, dv), x, 97);
+      }
+      if (chunk == 64) {
+        const Qkv<double> x = gaussian_qkv<double>(t, dk, dv, 4400 + static_cast<std::uint64_t>(window));
+        SelfAttention<double> mixer(opt);
+        check_splits_exact(mixer, mixer.make_state(dk, dv), x, 97);
+      }
+    }
+  }
+}
+
+TEST_CASE("OVQ-attention: any split of a stream gives the same bits", "[ovq][stream][exact]") {
+  for (const Index l : {Index(1), Index(7), Index(40), Index(130)}) {
+    const Index t = 4 * l + 9, dk = 12, dv = 9;
+    CAPTURE(l);
+    OvqOptions opt;
+    opt.capacity = 3 * l + 2;
+    opt.chunk = l;
+    opt.beta = 1.5;
+    {
+      const Qkv<float> x = unit_qkv<float>(t, dk, dv, 4500 + static_cast<std::uint64_t>(l));
+      OvqAttention<float> mixer(opt);
+      check_splits_exact(mixer, mixer.make_state(dk, dv), x, l);
+      OvqAttention<float, arch::scalar> portable(opt);
+      check_splits_exact(portable, portable.make_state(dk, dv), x, l);
+    }
+    {
+      const Qkv<double> x = unit_qkv<double>(t, dk, dv, 4600 + static_cast<std::uint64_t>(l));
+      OvqAttention<double> mixer(opt);
+      check_splits_exact(mixer, mixer.make_state(dk, dv), x, l);
+    }
+  }
+}
+
+TEST_CASE("linear attention: the pending chunk waits in the state until it is complete",
+          "[linear][stream]") {
+  const Index dk = 5, dv = 4, l = 8;
+  const Qkv<double> x = gaussian_qkv<double>(3 * l + 3, dk, dv, 4300);
+  LinearAttentionOptions opt;
+  opt.feature_map = FeatureMap::elu1;
+  opt.decay = 0.9;
+  opt.chunk = l;
+  LinearAttention<double> mixer(opt);
+  auto st = mixer.make_state(dk, dv);
+  CHECK(st.chunk() == l);
+
+  // A chunk minus one token: everything pending, (S, z) still zero.
+  mixer.forward(st, x.q.topRows(l - 1), x.k.topRows(l - 1), x.v.topRows(l - 1));
+  CHECK(st.pending() == l - 1);
+  CHECK(st.absorbed() == 0);
+  CHECK(st.tokens() == l - 1);
+  CHECK(st.kv().isZero(0.0));
+  CHECK(st.k_sum().isZero(0.0));
+  CHECK((as_eigen(st.pending_keys()) == x.k.topRows(l - 1)));  // raw keys, before phi
+  CHECK((as_eigen(st.pending_values()) == x.v.topRows(l - 1)));
+
+  // The last token of the chunk: it is folded in, nothing pending.
+  mixer.step(st, x.q.row(l - 1), x.k.row(l - 1), x.v.row(l - 1));
+  CHECK(st.pending() == 0);
+  CHECK(st.absorbed() == l);
+  auto one_chunk = mixer.make_state(dk, dv);
+  mixer.absorb(one_chunk, x.k.topRows(l), x.v.topRows(l));
+  CHECK((st == one_chunk));
+
+  // Past two more chunks and three tokens: (S, z) hold three chunks, three rows pending, and
+  // sums() folds them in: the recurrence's S_t and z_t.
+  mixer.forward(st, x.q.bottomRows(2 * l + 3), x.k.bottomRows(2 * l + 3), x.v.bottomRows(2 * l + 3));
+  CHECK(st.absorbed() == 3 * l);
+  CHECK(st.pending() == 3);
+  CHECK((as_eigen(st.pending_keys()) == x.k.bottomRows(3)));
+  auto three_chunks = mixer.make_state(dk, dv);
+  mixer.absorb(three_chunks, x.k.topRows(3 * l), x.v.topRows(3 * l));
+  CHECK((st.kv() == three_chunks.kv()));
+  CHECK((st.k_sum() == three_chunks.k_sum()));
+  ref::LinearRefState ref_state;
+  ref::linear_attention(x.qd, x.kd, x.vd, opt, &ref_state);
+  const auto sums = mixer.sums(st);
+  CHECK(relative_error(sums.kv, ref_state.s) <= tolerance<double>());
+  CHECK(relative_error(sums.k_sum, ref_state.z.transpose()) <= tolerance<double>());
+  // sums() of a state with nothing pending is (S, z) itself.
+  CHECK((mixer.sums(three_chunks).kv == three_chunks.kv()));
+
+  st.reset();
+  CHECK((st == mixer.make_state(dk, dv)));
+}
+
+TEST_CASE("VQ-attention: the pending chunk waits in the state until it is complete",
+          "[vq][stream]") {
+  const Index dk = 6, dv = 3, l = 8;
+  const Qkv<double> x = unit_qkv<double>(2 * l + 3, dk, dv, 4400);
+  const DMat codebook = random_unit_rows(5, dk, 4410);
+  const std::vector<Index> z = ref::quantise(x.kd, codebook);
+  VqAttention<double> mixer(VqAttentionOptions{1.5, l});
+  auto st = mixer.make_state(codebook, dv);
+  CHECK(st.chunk() == l);
+
+  mixer.forward(st, x.q.topRows(l - 1), x.k.topRows(l - 1), x.v.topRows(l - 1));
+  CHECK(st.pending() == l - 1);
+  CHECK(st.absorbed() == 0);
+  CHECK(st.tokens() == l - 1);
+  CHECK(st.dictionary().total_count() == 0);
+  CHECK(as_eigen(st.dictionary().values()).isZero(0.0));
+  for (Index j = 0; j < l - 1; ++j) {
+    CAPTURE(j);
+    CHECK(st.pending_codes()[j] == z[static_cast<std::size_t>(j)]);
+    CHECK((as_eigen(st.pending_keys()).row(j) == codebook.row(z[static_cast<std::size_t>(j)])));
+  }
+  CHECK((as_eigen(st.pending_values()) == x.v.topRows(l - 1)));
+
+  mixer.step(st, x.q.row(l - 1), x.k.row(l - 1), x.v.row(l - 1));
+  CHECK(st.pending() == 0);
+  CHECK(st.absorbed() == l);
+  CHECK(st.dictionary().total_count() == l);
+
+  mixer.forward(st, x.q.bottomRows(l + 3), x.k.bottomRows(l + 3), x.v.bottomRows(l + 3));
+  CHECK(st.absorbed() == 2 * l);
+  CHECK(st.pending() == 3);
+  auto two_chunks = mixer.make_state(codebook, dv);
+  mixer.absorb(two_chunks, x.k.topRows(2 * l), x.v.topRows(2 * l));
+  CHECK((st.dictionary() == two_chunks.dictionary()));
+  CHECK(!(st == two_chunks));  // the pending rows differ
+
+  st.reset();
+  CHECK((st == mixer.make_state(codebook, dv)));
+}
+
 }  // namespace
+
+}  // namespace ovq_test_mixers

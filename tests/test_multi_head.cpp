@@ -12,6 +12,10 @@
 #include "support/catch.hpp"
 #include "support/fixtures.hpp"
 
+// Everything below lives in this file's own namespace, so the suite can be built as one
+// unity source without the files' helpers colliding.
+namespace ovq_test_multi_head {
+
 namespace {
 
 using namespace ovq;
@@ -406,3 +410,5 @@ TEST_CASE("MultiHead: OVQ absorbs T rounded down to L per kv head", "[multihead]
 }
 
 }  // namespace
+
+}  // namespace ovq_test_multi_head

@@ -14,6 +14,10 @@
 
 #include "support/catch.hpp"
 
+// Everything below lives in this file's own namespace, so the suite can be built as one
+// unity source without the files' helpers colliding.
+namespace ovq_test_npy {
+
 namespace {
 
 using ovq::FormatError;
@@ -571,3 +575,5 @@ TEST_CASE("npy: write_npy reports I/O and argument errors", "[io][npy]") {
   CHECK_THROWS(ovq::io::write_npy(path, x, {-2}));
   CHECK(ovq::io::read_npy(path).to_vector<float>() == std::vector<float>{1.0f, 2.0f});
 }
+
+}  // namespace ovq_test_npy

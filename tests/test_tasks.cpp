@@ -8,6 +8,10 @@
 #include "../examples/tasks/runner.hpp"
 #include "support/catch.hpp"
 
+// Everything below lives in this file's own namespace, so the suite can be built as one
+// unity source without the files' helpers colliding.
+namespace ovq_test_tasks {
+
 namespace {
 
 using study::Index;
@@ -326,3 +330,5 @@ TEST_CASE("in-context learning, small", "[tasks]") {
   CHECK(icl_of(study::sliding_window(512), grouped).learnt <= 0.5);
   CHECK(icl_of(study::self_attention(), grouped).learnt == 1.0);
 }
+
+}  // namespace ovq_test_tasks

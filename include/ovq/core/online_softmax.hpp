@@ -37,7 +37,17 @@ OVQ_HOST_DEVICE void merge_softmax(Scalar* o_a, SoftmaxStats<Scalar>& a, const S
   const Scalar lb = b.l * std::exp(b.m - m);
   const Scalar l = la + lb;
   const Scalar wa = la / l, wb = lb / l;
-  for (Index d = 0; d < dim; ++d) o_a[d] = o_a[d] * wa + o_b[d] * wb;
+  // One explicit rounding pattern (fused where the target has FMA), never left to the
+  // compiler's contraction choices, so every compiled copy of a merge gives the same bits.
+  for (Index d = 0; d < dim; ++d) {
+    const Scalar b_part = o_b[d] * wb;
+#if defined(__FMA__)
+    o_a[d] = std::fma(o_a[d], wa, b_part);
+#else
+    const Scalar a_part = o_a[d] * wa;
+    o_a[d] = a_part + b_part;
+#endif
+  }
   a.l = l;
   a.m = m;
 }

@@ -3,7 +3,7 @@
 //
 //   offset  size  field
 //   0       8     magic "OVQSTATE"
-//   8       4     format version (1)
+//   8       4     format version (2; version 1 is still read, see below)
 //   12      4     byte-order tag 0x01020304, as written by the saving machine
 //   16      4     mixer kind (1 self, 2 linear, 3 vq, 4 ovq)
 //   20      4     container (0 one state, 1 multi-head layer)
@@ -17,6 +17,22 @@
 // checks each field, each size against the bytes left before allocating, every scalar for
 // finiteness and every state invariant (counts sum to t, n <= N, pending < L, ...), and names
 // the failing check in a FormatError. Saving is atomic (io/file.hpp).
+//
+// Payloads of one state (i64 integers, scalars of the file's type, rows one after the other):
+//   self    dk, dv, keep_rows, tokens, rows; keys (rows x dk), values (rows x dv)
+//   linear  dk, dv, chunk L, t, pending p; S (dk x dv), z (dk), pending keys (p x dk, before the
+//           feature map), pending values (p x dv)                     t: tokens folded into S, z
+//   vq      codes S, dk, dv, chunk L, pending p; codebook (S x dk), mean values (S x dv), counts
+//           (S), pending codes (p), pending values (p x dv)
+//   ovq     capacity, chunk L, dk, dv, n, t, pending p; D_k (n x dk), D_v (n x dv), counts (n),
+//           pending keys (p x dk), pending values (p x dv)
+//
+// Version 1 (before linear and VQ states kept the rows of their current chunk) is still loaded.
+// Its self and ovq payloads are those of version 2. Its linear payload is dk, dv, tokens, S, z
+// and its VQ payload codes, dk, dv, codebook, mean values, counts: a state that had folded every
+// token in, loaded with no pending rows and the loading mixer's chunk length (which the options
+// block checks), so its chunks are counted from the point it was saved at. Files are always
+// written as version 2.
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -37,7 +53,9 @@
 
 namespace ovq::io {
 
-inline constexpr std::uint32_t kStateFormatVersion = 1;
+inline constexpr std::uint32_t kStateFormatVersion = 2;
+// The oldest version load_state and decode_state still read.
+inline constexpr std::uint32_t kOldestStateFormatVersion = 1;
 
 namespace state_detail {
 
@@ -273,8 +291,9 @@ void put_state(Writer& w, const SelfAttention<S, A>&, const KvCache<S>& s) {
   w.put_rows(s.values());
 }
 
+// Self-attention and OVQ payloads are the same in versions 1 and 2.
 template <class S, class A>
-KvCache<S> get_state(Reader& r, const SelfAttention<S, A>& mixer) {
+KvCache<S> get_state(Reader& r, const SelfAttention<S, A>& mixer, std::uint32_t) {
   const auto dk = r.get_dim("dk", 1);
   const auto dv = r.get_dim("dv", 1);
   const auto keep = r.get<std::int64_t>("keep_rows");
@@ -297,22 +316,56 @@ template <class S, class A>
 void put_state(Writer& w, const LinearAttention<S, A>&, const LinearState<S>& s) {
   w.put<std::int64_t>(s.key_dim());
   w.put<std::int64_t>(s.value_dim());
-  w.put<std::int64_t>(s.tokens());
+  w.put<std::int64_t>(s.chunk());
+  w.put<std::int64_t>(s.absorbed());
+  w.put<std::int64_t>(s.pending());
   w.put_rows(rows_view(s.kv()));
   w.put_rows(rows_view(s.k_sum()));
+  w.put_rows(s.pending_keys());
+  w.put_rows(s.pending_values());
+}
+
+// The chunk length stored in a payload must be the loading mixer's, and pending < chunk.
+inline void check_chunk(std::int64_t chunk, std::int64_t expected, std::int64_t pending) {
+  if (chunk != expected)
+    invalid(detail::concat("chunk = ", chunk, ", expected ", expected, " (the loading mixer's)"));
+  if (pending >= chunk)
+    invalid(detail::concat("pending = ", pending, ", expected < chunk = ", chunk));
+}
+
+// Widths of a state whose pending buffer (chunk x width) is sized by the mixer: see kMaxWidth.
+inline void check_widths(std::int64_t dk, std::int64_t dv) {
+  if (dk > kMaxWidth || dv > kMaxWidth)
+    invalid(detail::concat("(dk, dv) = (", dk, ", ", dv, "), expected at most ", kMaxWidth,
+                           " each (the loader's bound on head widths)"));
 }
 
 template <class S, class A>
-LinearState<S> get_state(Reader& r, const LinearAttention<S, A>& mixer) {
+LinearState<S> get_state(Reader& r, const LinearAttention<S, A>& mixer, std::uint32_t version) {
   const auto dk = r.get_dim("dk", 1);
   const auto dv = r.get_dim("dv", 1);
-  const auto tokens = r.get<std::int64_t>("tokens");
-  check_tokens("tokens", tokens);
+  std::int64_t chunk = mixer.options().chunk, t = 0, pending = 0;
+  if (version == 1) {
+    t = r.get<std::int64_t>("tokens");
+    check_tokens("tokens", t);
+  } else {
+    chunk = r.get_dim("chunk", 1);
+    t = r.get<std::int64_t>("t");
+    pending = r.get_dim("pending", 0);
+    check_chunk(chunk, mixer.options().chunk, pending);
+    check_tokens("t", t);
+    check_tokens("t + pending", t + pending);
+  }
   r.need_items(dk, dv + 1, sizeof(S), "S and z");
+  check_widths(dk, dv);
+  const RowMatrix<S> kv = r.get_rows<S>(dk, dv, "S");
+  const RowMatrix<S> z = r.get_rows<S>(1, dk, "z");
+  const RowMatrix<S> pk = r.get_rows<S>(pending, dk, "pending keys");
+  const RowMatrix<S> pv = r.get_rows<S>(pending, dv, "pending values");
   LinearState<S> state = mixer.make_state(dk, dv);
-  state.kv() = r.get_rows<S>(dk, dv, "S");
-  state.k_sum() = r.get_rows<S>(1, dk, "z");
-  state.set_tokens(tokens);
+  state.kv() = kv;
+  state.k_sum() = z;
+  state.restore(t, rows_view(pk), rows_view(pv));
   return state;
 }
 
@@ -328,7 +381,11 @@ void put_state(Writer& w, const VqAttention<S, A>&, const VqState<S>& s) {
   w.put<std::int64_t>(s.codebook_size());
   w.put<std::int64_t>(s.key_dim());
   w.put<std::int64_t>(s.value_dim());
+  w.put<std::int64_t>(s.chunk());
+  w.put<std::int64_t>(s.pending());
   put_dictionary_rows(w, s.dictionary());
+  for (Index i = 0; i < s.pending(); ++i) w.put<std::int64_t>(s.pending_codes()[i]);
+  w.put_rows(s.pending_values());
 }
 
 inline std::int64_t get_count(Reader& r) {
@@ -338,22 +395,43 @@ inline std::int64_t get_count(Reader& r) {
 }
 
 template <class S, class A>
-VqState<S> get_state(Reader& r, const VqAttention<S, A>& mixer) {
+VqState<S> get_state(Reader& r, const VqAttention<S, A>& mixer, std::uint32_t version) {
   const auto codes = r.get_dim("codebook size", 1);
   const auto dk = r.get_dim("dk", 1);
   const auto dv = r.get_dim("dv", 1);
+  std::int64_t pending = 0;
+  if (version != 1) {
+    const auto chunk = r.get_dim("chunk", 1);
+    pending = r.get_dim("pending", 0);
+    check_chunk(chunk, mixer.options().chunk, pending);
+  }
   r.need_items(codes, dk + dv, sizeof(S), "codebook and mean values");
+  check_widths(dk, dv);
   const RowMatrix<S> codebook = r.get_rows<S>(codes, dk, "codebook");
   const RowMatrix<S> values = r.get_rows<S>(codes, dv, "mean values");
-  VqState<S> state = mixer.make_state(codebook, dv);
-  as_eigen(state.dictionary().values()) = values;
+  std::vector<std::int64_t> counts(static_cast<std::size_t>(codes));
   std::int64_t total = 0;
-  for (Index c = 0; c < codes; ++c) {
-    const std::int64_t count = get_count(r);
+  for (std::int64_t& count : counts) {
+    count = get_count(r);
     if (count > kMaxTokens - total) invalid(detail::concat("counts sum past ", kMaxTokens));
     total += count;
-    state.dictionary().set_count(c, count);
   }
+  if (pending > kMaxTokens - total)
+    invalid(detail::concat("counts + pending sum past ", kMaxTokens));
+  r.need_items(pending, 8, 1, "pending codes");
+  std::vector<Index> pending_codes(static_cast<std::size_t>(pending));
+  for (Index i = 0; i < pending; ++i) {
+    const auto c = r.get<std::int64_t>("pending code");
+    if (c < 0 || c >= codes)
+      invalid(detail::concat("pending code ", i, " = ", c, ", expected a value in [0, ", codes,
+                             ") (the codebook size)"));
+    pending_codes[static_cast<std::size_t>(i)] = static_cast<Index>(c);
+  }
+  const RowMatrix<S> pv = r.get_rows<S>(pending, dv, "pending values");
+  VqState<S> state = mixer.make_state(codebook, dv);
+  as_eigen(state.dictionary().values()) = values;
+  for (Index c = 0; c < codes; ++c) state.dictionary().set_count(c, counts[static_cast<std::size_t>(c)]);
+  state.restore_pending(pending_codes.data(), rows_view(pv));
   return state;
 }
 
@@ -373,7 +451,7 @@ void put_state(Writer& w, const OvqAttention<S, A>&, const OvqState<S>& s) {
 }
 
 template <class S, class A>
-OvqState<S> get_state(Reader& r, const OvqAttention<S, A>& mixer) {
+OvqState<S> get_state(Reader& r, const OvqAttention<S, A>& mixer, std::uint32_t) {
   const auto capacity = r.get_dim("capacity", 1);
   const auto chunk = r.get_dim("chunk", 1);
   const auto dk = r.get_dim("dk", 1);
@@ -437,17 +515,20 @@ inline std::vector<unsigned char> finish(Writer& w) {
   return b;
 }
 
-// Checks the frame and returns a reader over the payload.
+// Checks the frame and returns a reader over the payload; *version: the file's format version.
 inline Reader open_frame(const unsigned char* data, std::size_t size, std::uint32_t kind,
-                         std::uint32_t container, std::uint32_t scalar_size) {
+                         std::uint32_t container, std::uint32_t scalar_size,
+                         std::uint32_t* version_out) {
   if (data == nullptr && size != 0) invalid("no data");
   if (size < kHeaderSize + 4)
     invalid(detail::concat("truncated: ", size, " bytes, expected at least ", kHeaderSize + 4));
   if (std::memcmp(data, kMagic, sizeof kMagic) != 0) invalid("bad magic, expected \"OVQSTATE\"");
   Reader h(data + sizeof kMagic, kHeaderSize - sizeof kMagic);
   const auto version = h.get<std::uint32_t>("version");
-  if (version != kStateFormatVersion)
-    invalid(detail::concat("format version ", version, ", expected ", kStateFormatVersion));
+  if (version < kOldestStateFormatVersion || version > kStateFormatVersion)
+    invalid(detail::concat("format version ", version, ", expected ", kOldestStateFormatVersion,
+                           " to ", kStateFormatVersion));
+  *version_out = version;
   const auto order = h.get<std::uint32_t>("byte order");
   if (order != kByteOrderTag) invalid("byte order: written big-endian, expected little-endian");
   const auto got_kind = h.get<std::uint32_t>("kind");
@@ -497,9 +578,10 @@ template <class Mixer>
 typename Mixer::State decode_state(const Mixer& mixer, const unsigned char* data, std::size_t size) {
   using namespace state_detail;
   using S = typename Mixer::scalar_type;
-  Reader r = open_frame(data, size, MixerKind<Mixer>::value, 0, sizeof(S));
+  std::uint32_t version = 0;
+  Reader r = open_frame(data, size, MixerKind<Mixer>::value, 0, sizeof(S), &version);
   check_options(r, mixer.options());
-  typename Mixer::State state = get_state(r, mixer);
+  typename Mixer::State state = get_state(r, mixer, version);
   expect_end(r);
   return state;
 }
@@ -536,7 +618,8 @@ template <class Mixer>
 void decode_state(MultiHead<Mixer>& layer, const unsigned char* data, std::size_t size) {
   using namespace state_detail;
   using S = typename Mixer::scalar_type;
-  Reader r = open_frame(data, size, MixerKind<Mixer>::value, 1, sizeof(S));
+  std::uint32_t version = 0;
+  Reader r = open_frame(data, size, MixerKind<Mixer>::value, 1, sizeof(S), &version);
   check_options(r, layer.mixer().options());
   const auto batch = r.get<std::int64_t>("batch");
   const auto hq = r.get<std::int64_t>("query heads");
@@ -547,7 +630,7 @@ void decode_state(MultiHead<Mixer>& layer, const unsigned char* data, std::size_
                            layer.kv_heads(), ")"));
   std::vector<typename Mixer::State> states;
   for (std::size_t i = 0; i < layer.states().size(); ++i) {
-    states.push_back(get_state(r, layer.mixer()));
+    states.push_back(get_state(r, layer.mixer(), version));
     if (states.back().key_dim() != layer.key_dim() ||
         states.back().value_dim() != layer.value_dim())
       invalid(detail::concat("state ", i, " has (dk, dv) = (", states.back().key_dim(), ", ",

@@ -1,18 +1,45 @@
 #pragma once
-// Linear attention over one chunk of Lc tokens, in GEMM form, carrying (S, z) across chunks.
+// Linear attention over chunks of L tokens at fixed stream positions, carrying (S, z) across
+// complete chunks.
 //
-// With decay g, A = (phi(Q) phi(K)^T) o G, G_ij = g^(i-j) for j <= i and 0 above:
-//   num_i = (A V)_i + g^(i+1) phi(q_i) S_prev          den_i = (A 1)_i + g^(i+1) phi(q_i) . z_prev
-//   o_i = beta num_i  (unnormalised)     o_i = num_i / (den_i + eps)  (normalised)
-// and after the chunk: S = g^Lc S_prev + phi(K)^T diag(g^(Lc-1-j)) V, z likewise.
+// Read. Query row i of a chunk (chunk-local index, 0 <= i < L), with the chunk's rows j <= i
+// known and (S, z) the sums of the chunks before it:
+//   num_i = sum_{j <= i} (phi(q_i) . phi(k_j)) g^(i-j) v_j  +  (g^(i+1) phi(q_i)) S
+//   den_i = sum_{j <= i} (phi(q_i) . phi(k_j)) g^(i-j)      +  (g^(i+1) phi(q_i)) . z
+//   o_i = beta num_i  (unnormalised)     o_i = num_i / (den_i + eps)  (normalised; 0 if that is 0)
+// Write, once the chunk holds its L rows: S = g^L S + phi(K)^T diag(g^(L-1-j)) V, z likewise.
 // This equals the token recurrence S_i = g S_{i-1} + phi(k_i) v_i^T to rounding.
-// Shapes: phi_q (Lc x dk), phi_k (Lc x dk), v (Lc x dv), S (dk x dv), z (dk), o (Lc x dv).
-// Cost: 2 Lc^2 (dk + dv) / 2 + 4 Lc dk dv flops per head and chunk.
+//
+// Every output row is computed in an order that depends only on i and the chunk's rows, never on
+// how many query rows the call has or where the call starts: the read runs on the tile
+// micro-kernels (TileOps), whose per-row sums run in a fixed order, with key tiles aligned to the
+// chunk's first row and query rows grouped by the key tile they fall in; (g^(i+1) phi(q_i)) S goes
+// through the same accumulate kernel, S's rows taken as values in key tiles of dk. So a chunk
+// read in one call, in uneven pieces or token by token gives the same bits. Two details keep it
+// so. A row can meet extra zero weights past its own position in its last tile; they change
+// nothing but the sign of a zero sum, and outputs are written as x + 0, which maps -0 to +0. And
+// values and S are read at a width padded to a multiple of 16 columns (zeros, copied when dv is
+// not such a multiple), so that accumulate never takes its column tail: a plain C++ loop that a
+// compiler free to fuse multiply-adds (GCC's default -ffp-contract=fast) may round differently
+// for different tile shapes. (The float SIMD read is then explicit intrinsics throughout; the
+// portable kernels need -ffp-contract=off for the same guarantee, see README.) The write runs
+// only on complete chunks, always of the same shape, so Eigen's product is the same computation
+// every time.
+//
+// phi(q) . phi(k) is formed before it multiplies v: where that product alone exceeds the largest
+// finite scalar (float: |phi(q)| |phi(k)| past ~3.4e38) the output is not finite, even if
+// the recurrence's value q . (k v^T) would fit.
+//
+// Cost per head and chunk: 2 L^2 (dk + dv) / 2 (the causal half, tile-granular) + 2 L dk dv
+// (the read of S) + 2 L dk dv once per chunk for the write.
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include "ovq/core/threads.hpp"
 #include "ovq/core/types.hpp"
+#include "ovq/kernels/arch/tile_ops.hpp"
+#include "ovq/kernels/read.hpp"
 
 namespace ovq::kernels {
 
@@ -31,12 +58,17 @@ Scalar apply_feature_map(FeatureMap map, Scalar x) {
   }
 }
 
+// out[c] = phi(x[c]) for c in [0, n).
+template <class Scalar>
+void feature_map_row(FeatureMap map, const Scalar* x, Index n, Scalar* out) {
+  for (Index c = 0; c < n; ++c) out[c] = apply_feature_map(map, x[c]);
+}
+
 // out = phi(x), rows of x copied through the feature map. out is resized to x's shape.
 template <class Scalar>
 void feature_map_rows(FeatureMap map, ConstRowsView<Scalar> x, RowMatrix<Scalar>& out) {
   out.resize(x.rows, x.cols);
-  for (Index i = 0; i < x.rows; ++i)
-    for (Index j = 0; j < x.cols; ++j) out(i, j) = apply_feature_map(map, x.row(i)[j]);
+  for (Index i = 0; i < x.rows; ++i) feature_map_row(map, x.row(i), x.cols, out.row(i).data());
 }
 
 template <class Scalar>
@@ -57,60 +89,162 @@ std::vector<Scalar> decay_powers(Scalar decay, Index n) {
   return p;
 }
 
-// g^(i+1) for rows i in [0, lc).
+namespace linear_detail {
+
+// Value widths are padded to a multiple of this (the widest SIMD vector, 16 floats).
+inline constexpr Index kValuePad = 16;
+
+// Per-thread scratch of the read: one query block (at most a key tile of rows), and the padded
+// copies of V and S when dv is not a multiple of kValuePad.
 template <class Scalar>
-Eigen::Matrix<Scalar, Eigen::Dynamic, 1> powers_head(const std::vector<Scalar>& powers, Index lc) {
-  Eigen::Matrix<Scalar, Eigen::Dynamic, 1> h(lc);
-  for (Index i = 0; i < lc; ++i) h[i] = powers[static_cast<std::size_t>(i) + 1];
-  return h;
+struct ReadBuffers {
+  std::vector<Scalar> q, weights, scores, acc, den, values, kv;
+
+  void reserve(Index tile, Index dk, Index dvp) {
+    q.resize(static_cast<std::size_t>(tile * dk));
+    weights.resize(static_cast<std::size_t>(tile * tile));
+    scores.resize(static_cast<std::size_t>(tile * tile));
+    acc.resize(static_cast<std::size_t>(tile * dvp));
+    den.resize(static_cast<std::size_t>(tile));
+  }
+};
+
+// rows x cols of `src` (row stride src_stride) into `dst` at width `width` >= cols, zero-padded.
+template <class Scalar>
+const Scalar* padded_copy(const Scalar* src, Index rows, Index cols, Index src_stride,
+                          Index width, std::vector<Scalar>& dst) {
+  dst.assign(static_cast<std::size_t>(rows * width), Scalar(0));
+  for (Index i = 0; i < rows; ++i)
+    std::copy(src + i * src_stride, src + i * src_stride + cols, dst.data() + i * width);
+  return dst.data();
 }
 
-// Reads one chunk for one query head; the state is not changed.
-template <class Scalar>
-void linear_chunk_read(const RowMatrix<Scalar>& phi_q, const RowMatrix<Scalar>& phi_k,
-                       ConstRowsView<Scalar> v, const RowMatrix<Scalar>& kv,
-                       const RowVector<Scalar>& k_sum, const std::vector<Scalar>& powers,
-                       const LinearChunkParams<Scalar>& p, RowsView<Scalar> o) {
-  const detail::SerialEigenScope serial;
-  const Index lc = phi_q.rows();
-  RowMatrix<Scalar> a = phi_q * phi_k.transpose();
-  for (Index i = 0; i < lc; ++i)
-    for (Index j = 0; j < lc; ++j)
-      a(i, j) = j <= i ? a(i, j) * powers[static_cast<std::size_t>(i - j)] : Scalar(0);
-  RowMatrix<Scalar> num = a * as_eigen(v);
-  num.noalias() += (powers_head(powers, lc).asDiagonal() * phi_q) * kv;
-  auto out = as_eigen(o);
-  if (!p.normalize) {
-    out = p.beta * num;
-    return;
+}  // namespace linear_detail
+
+// Reads query rows [first, first + n) of a chunk (chunk-local positions) for `heads` query heads
+// q[h] (n x dk) into o[h] (n x dv); the state is not changed.
+//   key_panels  phi(k_j) for the chunk's rows j in [0, first + n), packed by
+//               read_detail::pack_key_panels into panels of TileOps<Scalar, Arch>::kKeyTile
+//               keys from the chunk's first row
+//   values      v_j for j in [0, first + n)
+//   kv, k_sum   S (dk x dv) and z (dk) of the chunks before this one
+//   powers      g^i for i in [0, first + n]
+template <class Scalar, class Arch>
+void linear_chunk_read(const ConstRowsView<Scalar>* q, Index heads, Index first, FeatureMap map,
+                       const Scalar* key_panels, ConstRowsView<Scalar> values,
+                       const RowMatrix<Scalar>& kv, const RowVector<Scalar>& k_sum,
+                       const std::vector<Scalar>& powers, const LinearChunkParams<Scalar>& p,
+                       const RowsView<Scalar>* o) {
+  using Ops = TileOps<Scalar, Arch>;
+  constexpr Index kTile = Ops::kKeyTile;
+  if (heads <= 0 || q[0].rows == 0) return;
+  const Index n = q[0].rows;
+  const Index end = first + n;
+  const Index dk = kv.rows();
+  const Index dv = kv.cols();
+  using linear_detail::kValuePad;
+  const Index dvp = (dv + kValuePad - 1) / kValuePad * kValuePad;
+  thread_local linear_detail::ReadBuffers<Scalar> buf;
+  buf.reserve(kTile, dk, dvp);
+  // V (rows [0, end)) and S at width dvp.
+  const Scalar* vals = values.data;
+  Index vals_stride = values.stride;
+  const Scalar* kvp = kv.data();
+  if (dvp != dv) {
+    vals = linear_detail::padded_copy(values.data, end, dv, values.stride, dvp, buf.values);
+    vals_stride = dvp;
+    kvp = linear_detail::padded_copy(kv.data(), dk, dv, dv, dvp, buf.kv);
   }
-  const Eigen::Matrix<Scalar, Eigen::Dynamic, 1> den =
-      a.rowwise().sum() + powers_head(powers, lc).asDiagonal() * (phi_q * k_sum.transpose());
-  // A zero normaliser (relu features that are all 0, eps = 0) means nothing was attended to:
-  // the output is 0 rather than 0 / 0.
-  for (Index i = 0; i < lc; ++i) {
-    const Scalar d = den[i] + p.eps;
-    if (d == Scalar(0)) {
-      out.row(i).setZero();
-    } else {
-      out.row(i) = num.row(i) / d;
+  Scalar* qb = buf.q.data();
+  Scalar* w = buf.weights.data();
+  Scalar* s = buf.scores.data();
+  Scalar* acc = buf.acc.data();
+  Scalar* den = buf.den.data();
+  const Scalar* z = k_sum.data();
+
+  // Query blocks are the rows of one key tile: rows [r0, r1) all end in key tile b.
+  for (Index b = first / kTile; b * kTile < end; ++b) {
+    const Index r0 = std::max(first, b * kTile);
+    const Index r1 = std::min(end, (b + 1) * kTile);
+    const Index bq = r1 - r0;
+    for (Index h = 0; h < heads; ++h) {
+      for (Index r = 0; r < bq; ++r) feature_map_row(map, q[h].row(r0 - first + r), dk, qb + r * dk);
+      std::fill(acc, acc + bq * dvp, Scalar(0));
+      std::fill(den, den + bq, Scalar(0));
+
+      // The chunks before: (g^(i+1) phi(q_i)) S, S's rows as values, in key tiles of dk.
+      for (Index c0 = 0; c0 < dk; c0 += kTile) {
+        const Index bc = std::min(kTile, dk - c0);
+        for (Index r = 0; r < bq; ++r) {
+          const Scalar g = powers[static_cast<std::size_t>(r0 + r + 1)];
+          Scalar* wr = w + r * kTile;
+          const Scalar* qr = qb + r * dk + c0;
+          for (Index c = 0; c < bc; ++c) wr[c] = g * qr[c];
+          if (p.normalize) {
+            Scalar d = den[r];
+            for (Index c = 0; c < bc; ++c) d += wr[c] * z[c0 + c];
+            den[r] = d;
+          }
+        }
+        Ops::accumulate(w, bq, bc, kvp + c0 * dvp, dvp, dvp, acc, dvp);
+      }
+
+      // This chunk: key tiles 0 .. b, the last one masked to j <= i and decayed by g^(i-j).
+      for (Index t = 0; t <= b; ++t) {
+        const Index k0 = t * kTile;
+        const Index bk = std::min(kTile, r1 - k0);
+        Ops::scores_packed(qb, dk, bq, key_panels + t * dk * kTile, dk, Scalar(1), s);
+        for (Index r = 0; r < bq; ++r) {
+          const Index i = r0 + r;
+          Scalar* row = s + r * kTile;
+          const Index visible = std::min(bk, i - k0 + 1);  // keys j <= i
+          for (Index j = 0; j < visible; ++j) row[j] *= powers[static_cast<std::size_t>(i - k0 - j)];
+          std::fill(row + visible, row + bk, Scalar(0));
+          if (p.normalize) {
+            Scalar d = den[r];
+            for (Index j = 0; j < visible; ++j) d += row[j];
+            den[r] = d;
+          }
+        }
+        Ops::accumulate(s, bq, bk, vals + k0 * vals_stride, vals_stride, dvp, acc, dvp);
+      }
+
+      // Outputs, written as x + 0 so that a zero is always +0 (see the header).
+      for (Index r = 0; r < bq; ++r) {
+        Scalar* out = o[h].row(r0 - first + r);
+        const Scalar* a = acc + r * dvp;
+        if (!p.normalize) {
+          for (Index c = 0; c < dv; ++c) out[c] = p.beta * a[c] + Scalar(0);
+          continue;
+        }
+        // A zero normaliser (relu features that are all 0, eps = 0) means nothing was attended
+        // to: the output is 0 rather than 0 / 0.
+        const Scalar d = den[r] + p.eps;
+        if (d == Scalar(0)) {
+          std::fill(out, out + dv, Scalar(0));
+        } else {
+          for (Index c = 0; c < dv; ++c) out[c] = a[c] / d + Scalar(0);
+        }
+      }
     }
   }
 }
 
-// Absorbs the chunk into (S, z).
+// Folds a chunk of lc = phi_k.rows() rows into (S, z): S = g^lc S + phi(K)^T diag(g^(lc-1-j)) V,
+// z likewise. The mixer calls it on complete chunks only (always L x dk by L x dv).
 template <class Scalar>
 void linear_chunk_write(const RowMatrix<Scalar>& phi_k, ConstRowsView<Scalar> v,
                         RowMatrix<Scalar>& kv, RowVector<Scalar>& k_sum,
                         const std::vector<Scalar>& powers) {
   const detail::SerialEigenScope serial;
   const Index lc = phi_k.rows();
-  // w_j = g^(Lc-1-j): how much of token j is left at the end of the chunk.
+  // w_j = g^(lc-1-j): how much of token j is left at the end of the chunk.
   Eigen::Matrix<Scalar, Eigen::Dynamic, 1> w(lc);
   for (Index j = 0; j < lc; ++j) w[j] = powers[static_cast<std::size_t>(lc - 1 - j)];
   const Scalar carry = powers[static_cast<std::size_t>(lc)];
+  const RowMatrix<Scalar> wv = w.asDiagonal() * as_eigen(v);
   kv *= carry;
-  kv.noalias() += phi_k.transpose() * (w.asDiagonal() * as_eigen(v));
+  kv.noalias() += phi_k.transpose() * wv;
   k_sum *= carry;
   k_sum.noalias() += w.transpose() * phi_k;
 }

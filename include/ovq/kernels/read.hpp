@@ -14,6 +14,13 @@
 // position. Window W (causal only): it sees rows at positions > its position - W, memory included.
 // A bias of -inf removes a memory row.
 //
+// Same bits however the stream was cut: the keys (memory rows, then local rows) are tiled on
+// their absolute positions (MemoryRows::origin, the position of memory row 0), every score is
+// computed by one micro-kernel whatever the number of queries, and key tiles are folded in
+// blocks of kBlockKeys positions whose (o, m, l) states are merged in order. So a query's output
+// depends only on the keys it sees, not on the other queries of its call, the number of threads
+// or whether it came through forward() or step().
+//
 // Grouped queries: `heads` query heads that read the same memory are stacked into one tile
 // (row (i, h) at position i), so every key/value tile is loaded once for the whole group.
 //
@@ -23,6 +30,7 @@
 // the keys when there are enough queries to reuse them.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <vector>
 
@@ -38,6 +46,9 @@ struct MemoryRows {
   ConstRowsView<Scalar> keys;    // Nm x dk
   ConstRowsView<Scalar> values;  // Nm x dv
   const Scalar* bias = nullptr;  // Nm entries, or nullptr for none
+  // Absolute stream position of row 0 (a key/value cache), or 0 (a dictionary): key tiles are
+  // aligned on absolute positions, so the tiling does not move when the stream is cut elsewhere.
+  std::int64_t origin = 0;
 };
 
 template <class Scalar>
@@ -57,8 +68,12 @@ namespace read_detail {
 // Stacked query rows per tile: 64 rows of scores (16 KiB in float) and of the output
 // accumulator stay in L1/L2 while the key tiles stream past.
 inline constexpr Index kStackedRows = 64;
-// Below this many stacked query rows, packing K^T would cost as much as the reads it serves.
+// From this many stacked query rows on, all key panels are packed once per call and reused by
+// every query tile; below it, each key tile is packed as it is visited (decode).
 inline constexpr Index kPackMinRows = 8;
+// Key positions per merge block (a multiple of every key tile). Blocks are folded separately
+// and merged in order, in every path: that is what a decode splits across threads.
+inline constexpr Index kBlockKeys = 1024;
 
 // K (n x d) -> panels of kTile keys, each d x kTile (key index fastest), zero-padded.
 template <class Scalar, Index kTile>
@@ -76,33 +91,51 @@ void pack_key_panels(ConstRowsView<Scalar> keys, std::vector<Scalar>& panels) {
   }
 }
 
-// A block of keys with its values, bias and visible range per query position.
+// The keys of one read on one axis: `pad` empty slots, the Nm memory rows, the Nl local rows.
+// pad = origin mod kBlockKeys, so slot x of one read and slot x of another hold the same
+// absolute position modulo kBlockKeys: tiles and blocks fall on the same positions.
 template <class Scalar>
-struct KeyBlock {
-  ConstRowsView<Scalar> keys, values;
-  const Scalar* bias;
-  const Scalar* panels;  // packed keys, or nullptr
-  Index first_offset;    // first visible row of position p is p + first_offset (window), or 0
-  bool windowed;
-  Index last_offset;     // last visible row of position p is p + last_offset (causal), or n - 1
-  bool causal;
+struct KeyAxis {
+  MemoryRows<Scalar> memory;
+  LocalRows<Scalar> local;  // only the rows some query can see
+  Index pad = 0;
+  Index window = 0;  // 0: none
+  bool causal = true;
 
-  Index first(Index p) const { return windowed ? std::max<Index>(p + first_offset, 0) : 0; }
-  Index last(Index p) const {
-    return causal ? std::min<Index>(p + last_offset, keys.rows - 1) : keys.rows - 1;
+  Index memory_begin() const { return pad; }
+  Index local_begin() const { return pad + memory.keys.rows; }
+  Index end() const { return local_begin() + local.keys.rows; }
+  // Visible slots of the query at local position p: [first(p), last(p)].
+  Index first(Index p) const {
+    return window > 0 ? std::max<Index>(local_begin() + p - window + 1, pad) : pad;
+  }
+  Index last(Index p) const { return causal ? std::min(local_begin() + p, end() - 1) : end() - 1; }
+  const Scalar* key(Index slot) const {
+    if (slot < pad || slot >= end()) return nullptr;
+    return slot < local_begin() ? memory.keys.row(slot - pad) : local.keys.row(slot - local_begin());
   }
 };
+
+// Packs key tile `tile` (slots [tile kTile, tile kTile + kTile)) into `panel` (d x kTile).
+template <class Scalar, class Ops>
+void pack_tile(const KeyAxis<Scalar>& axis, Index tile, Index d, Scalar* panel) {
+  constexpr Index kTile = Ops::kKeyTile;
+  const Scalar* rows[kTile];
+  for (Index j = 0; j < kTile; ++j) rows[j] = axis.key(tile * kTile + j);
+  Ops::pack_panel(rows, d, panel);
+}
 
 // Per-thread tile state.
 template <class Scalar>
 struct TileBuffers {
-  std::vector<Scalar> q, scores, acc;
+  std::vector<Scalar> q, scores, acc, panel;
   std::vector<SoftmaxStats<Scalar>> stats;
 
   TileBuffers(Index rows, Index dk, Index dv, Index key_tile)
       : q(static_cast<std::size_t>(rows * dk)),
         scores(static_cast<std::size_t>(rows * key_tile)),
         acc(static_cast<std::size_t>(rows * dv)),
+        panel(static_cast<std::size_t>(dk * key_tile)),
         stats(static_cast<std::size_t>(rows)) {}
 
   void clear_state(Index rows, Index dv) {
@@ -111,36 +144,37 @@ struct TileBuffers {
   }
 };
 
-// Folds key rows [k0, k0 + bk) of `block` into the tile of stacked rows [0, bq); stacked row r
-// is at position p0 + r / heads. Cost: 2 bq bk (dk + dv) flops + bq bk exps.
+// Folds key tile `tile` of `axis` (its packed keys: `panel`) into the tile of stacked rows
+// [0, bq); stacked row r is at position p0 + r / heads. Cost: 2 bq kTile (dk + dv) flops + bq
+// kTile exps.
 //
 // Logits are saturated to the finite range (an overflowing product of finite inputs, or the
 // NaN of inf - inf inside one, becomes +-max), and the accumulator holds the softmax average so
-// far, not the sum: outputs are finite for every finite input.
+// far, not the sum: outputs are finite for every finite input. Slots a row does not see are
+// -inf before the exponential, so they add exact zeros: a row's result does not depend on which
+// other rows share its tile.
 template <class Scalar, class Ops>
-void fold_key_tile(const KeyBlock<Scalar>& block, Index k0, Index p0, Index heads, Index bq,
-                   Index dk, Index dv, Scalar beta, TileBuffers<Scalar>& buf) {
+void fold_key_tile(const KeyAxis<Scalar>& axis, Index tile, const Scalar* panel, Index p0,
+                   Index heads, Index bq, Index dk, Index dv, Scalar beta,
+                   TileBuffers<Scalar>& buf) {
   constexpr Index kTile = Ops::kKeyTile;
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   constexpr Scalar kMax = std::numeric_limits<Scalar>::max();
-  const Index bk = std::min(kTile, block.keys.rows - k0);
+  const Index k0 = tile * kTile;
+  const Index mem_lo = std::max(k0, axis.memory_begin()) - k0;  // memory slots of the tile
+  const Index mem_hi = std::max(std::min(k0 + kTile, axis.local_begin()) - k0, mem_lo);
   Scalar* s = buf.scores.data();
-  if (block.panels != nullptr) {
-    Ops::scores_packed(buf.q.data(), dk, bq, block.panels + (k0 / kTile) * dk * kTile, dk, beta,
-                       s);
-  } else {
-    Ops::scores_rows(buf.q.data(), dk, bq, block.keys.row(k0), block.keys.stride, bk, dk, beta,
-                     s);
-  }
+  Ops::scores_packed(buf.q.data(), dk, bq, panel, dk, beta, s);
   for (Index r = 0; r < bq; ++r) {
     Scalar* row = s + r * kTile;
     const Index p = p0 + r / heads;
-    const Index lo = std::clamp<Index>(block.first(p) - k0, 0, bk);
-    const Index hi = std::clamp<Index>(block.last(p) - k0 + 1, lo, bk);  // exclusive
+    const Index lo = std::clamp<Index>(axis.first(p) - k0, 0, kTile);
+    const Index hi = std::clamp<Index>(axis.last(p) - k0 + 1, lo, kTile);  // exclusive
     std::fill(row, row + lo, kNegInf);
-    std::fill(row + hi, row + bk, kNegInf);
-    if (block.bias != nullptr)
-      for (Index j = lo; j < hi; ++j) row[j] += block.bias[k0 + j];
+    std::fill(row + hi, row + kTile, kNegInf);
+    if (axis.memory.bias != nullptr)
+      for (Index j = std::max(lo, mem_lo); j < std::min(hi, mem_hi); ++j)
+        row[j] += axis.memory.bias[k0 + j - axis.pad];
     Scalar tile_max = kNegInf;
     for (Index j = lo; j < hi; ++j) {
       Scalar x = row[j];
@@ -152,10 +186,10 @@ void fold_key_tile(const KeyBlock<Scalar>& block, Index k0, Index p0, Index head
     SoftmaxStats<Scalar>& st = buf.stats[static_cast<std::size_t>(r)];
     const Scalar m_new = std::max(st.m, tile_max);
     if (m_new == kNegInf) {  // nothing visible so far: this tile adds nothing to row r
-      std::fill(row, row + bk, Scalar(0));
+      std::fill(row, row + kTile, Scalar(0));
       continue;
     }
-    const Scalar sum = Ops::exp_sum(row, bk, m_new);
+    const Scalar sum = Ops::exp_sum(row, m_new);
     // New average = old average * (l_old rescaled / l_new) + (P / l_new) V.
     const Scalar l_kept = st.m == m_new ? st.l : st.l * std::exp(st.m - m_new);
     const Scalar l_new = l_kept + sum;
@@ -165,11 +199,21 @@ void fold_key_tile(const KeyBlock<Scalar>& block, Index k0, Index p0, Index head
       Scalar* acc = buf.acc.data() + r * dv;
       for (Index c = 0; c < dv; ++c) acc[c] *= keep;
     }
-    for (Index j = 0; j < bk; ++j) row[j] *= inv;
+    for (Index j = 0; j < kTile; ++j) row[j] *= inv;
     st.l = l_new;
     st.m = m_new;
   }
-  Ops::accumulate(s, bq, bk, block.values.row(k0), block.values.stride, dv, buf.acc.data(), dv);
+  // P V over the tile's memory slots, then its local slots (values live in two arrays; one
+  // pass over j either way, so the split changes no sum).
+  if (mem_hi > mem_lo)
+    Ops::accumulate(s + mem_lo, bq, mem_hi - mem_lo, axis.memory.values.row(k0 + mem_lo - axis.pad),
+                    axis.memory.values.stride, dv, buf.acc.data(), dv);
+  const Index loc_lo = std::max(k0, axis.local_begin()) - k0;
+  const Index loc_hi = std::max(std::min(k0 + kTile, axis.end()) - k0, loc_lo);
+  if (loc_hi > loc_lo)
+    Ops::accumulate(s + loc_lo, bq, loc_hi - loc_lo,
+                    axis.local.values.row(k0 + loc_lo - axis.local_begin()),
+                    axis.local.values.stride, dv, buf.acc.data(), dv);
 }
 
 }  // namespace read_detail
@@ -182,80 +226,120 @@ void read(const ConstRowsView<Scalar>* q, Index heads, const MemoryRows<Scalar>&
   using namespace read_detail;
   using Ops = TileOps<Scalar, Arch>;
   constexpr Index kTile = Ops::kKeyTile;
+  constexpr Index kTilesPerBlock = kBlockKeys / kTile;
+  static_assert(kBlockKeys % kTile == 0, "merge blocks hold whole key tiles");
   if (heads <= 0) return;
   const Index n_pos = q[0].rows;
   const Index dk = q[0].cols;
   const Index dv = o[0].cols;
-  const Index n_memory = memory.keys.rows;
-  const Index n_local = local.keys.rows;
-  const Index window = mask.causal ? mask.window : 0;
   if (n_pos == 0) return;
 
-  // Key blocks in position terms: memory row r is at r - Nm, local row j at j, query i at
-  // query_offset + i; "p" below is the query's local position.
-  KeyBlock<Scalar> mem{memory.keys, memory.values, memory.bias, nullptr,
-                       n_memory - window + 1, window > 0, 0, false};
-  KeyBlock<Scalar> loc{local.keys, local.values, nullptr, nullptr,
-                       -window + 1, window > 0, 0, mask.causal};
+  const Index last_position = mask.query_offset + n_pos - 1;
+  const Index local_used =
+      mask.causal ? std::min(local.keys.rows, last_position + 1) : local.keys.rows;
+  const auto block_keys = static_cast<std::int64_t>(kBlockKeys);
+  KeyAxis<Scalar> axis{memory,
+                       {local.keys.middle_rows(0, local_used), local.values.middle_rows(0, local_used)},
+                       static_cast<Index>(((memory.origin % block_keys) + block_keys) % block_keys),
+                       mask.causal ? mask.window : 0,
+                       mask.causal};
 
   const Index positions_per_tile = std::max<Index>(1, kStackedRows / heads);
   const Index stacked = n_pos * heads;
-  const Index last_position = mask.query_offset + n_pos - 1;
-  const Index local_used = mask.causal ? std::min(n_local, last_position + 1) : n_local;
-  thread_local std::vector<Scalar> mem_panels, loc_panels;
-  if (stacked >= kPackMinRows) {
-    pack_key_panels<Scalar, kTile>(memory.keys, mem_panels);
-    pack_key_panels<Scalar, kTile>(local.keys.middle_rows(0, local_used), loc_panels);
-    mem.panels = mem_panels.data();
-    loc.panels = loc_panels.data();
-  }
-
   const Index n_tiles = (n_pos + positions_per_tile - 1) / positions_per_tile;
   const Index tile_rows = positions_per_tile * heads;
 
-  // The key tiles query tile `tile` must visit, memory first. Tiles no row of the query tile
-  // sees are skipped whole: that is where causal and windowed reads save their masked part.
-  struct KeyTile {
-    const KeyBlock<Scalar>* block;
-    Index k0;
+  // Key tiles [first, last] that query tile `tile` visits: tiles no row of it sees are skipped
+  // whole (that is where causal and windowed reads save their masked part).
+  struct TileRange {
+    Index first, last;  // last < first: nothing visible
   };
-  auto key_tiles = [&](Index tile, std::vector<KeyTile>& out) {
-    out.clear();
+  auto key_range = [&](Index tile) {
     const Index i0 = tile * positions_per_tile;
     const Index np = std::min(positions_per_tile, n_pos - i0);
     const Index p0 = mask.query_offset + i0;
-    for (Index k0 = (mem.first(p0) / kTile) * kTile; k0 < n_memory; k0 += kTile)
-      out.push_back({&mem, k0});
-    const Index loc_end = loc.last(p0 + np - 1) + 1;
-    for (Index k0 = (loc.first(p0) / kTile) * kTile; k0 < loc_end; k0 += kTile)
-      out.push_back({&loc, k0});
+    const Index first = axis.first(p0), last = axis.last(p0 + np - 1);
+    if (last < first) return TileRange{0, -1};
+    return TileRange{first / kTile, last / kTile};
   };
+
+  // Packed panels of every tile some query sees, when enough queries reuse them (the calling
+  // thread's buffer, reused across calls; worker threads only read it).
+  TileRange all{0, -1};
+  for (Index t = 0; t < n_tiles; ++t) {
+    const TileRange r = key_range(t);
+    if (r.last < r.first) continue;
+    all = all.last < all.first ? r : TileRange{std::min(all.first, r.first), std::max(all.last, r.last)};
+  }
+  thread_local std::vector<Scalar> panel_store;
+  const bool prepacked = stacked >= kPackMinRows;
+  if (prepacked && all.last >= all.first) {
+    panel_store.resize(static_cast<std::size_t>((all.last - all.first + 1) * dk * kTile));
+    for (Index t = all.first; t <= all.last; ++t)
+      pack_tile<Scalar, Ops>(axis, t, dk, panel_store.data() + (t - all.first) * dk * kTile);
+  }
+  const Scalar* const panels = panel_store.data();
+
   auto load_queries = [&](Index tile, TileBuffers<Scalar>& buf) {
     const Index i0 = tile * positions_per_tile;
     const Index np = std::min(positions_per_tile, n_pos - i0);
     for (Index i = 0; i < np; ++i)
       for (Index h = 0; h < heads; ++h)
         std::copy(q[h].row(i0 + i), q[h].row(i0 + i) + dk, buf.q.data() + (i * heads + h) * dk);
-    buf.clear_state(np * heads, dv);
   };
-  auto fold = [&](Index tile, const KeyTile* first, const KeyTile* last, TileBuffers<Scalar>& buf) {
+  // Folds key tiles [first, last] (all in one merge block) into buf, from an empty state.
+  auto fold_block = [&](Index tile, Index first, Index last, TileBuffers<Scalar>& buf) {
     const Index i0 = tile * positions_per_tile;
     const Index bq = std::min(positions_per_tile, n_pos - i0) * heads;
-    for (const KeyTile* kt = first; kt != last; ++kt)
-      fold_key_tile<Scalar, Ops>(*kt->block, kt->k0, mask.query_offset + i0, heads, bq, dk, dv,
-                                 beta, buf);
+    buf.clear_state(bq, dv);
+    for (Index t = first; t <= last; ++t) {
+      const Scalar* panel;
+      if (prepacked) {
+        panel = panels + (t - all.first) * dk * kTile;
+      } else {
+        pack_tile<Scalar, Ops>(axis, t, dk, buf.panel.data());
+        panel = buf.panel.data();
+      }
+      fold_key_tile<Scalar, Ops>(axis, t, panel, mask.query_offset + i0, heads, bq, dk, dv, beta,
+                                 buf);
+    }
   };
-  auto store = [&](Index tile, const TileBuffers<Scalar>& buf) {
+  auto merge_rows = [&](Index bq, Scalar* acc, SoftmaxStats<Scalar>* stats, const Scalar* acc_b,
+                        const SoftmaxStats<Scalar>* stats_b) {
+    for (Index r = 0; r < bq; ++r) merge_softmax(acc + r * dv, stats[r], acc_b + r * dv, stats_b[r], dv);
+  };
+  // The whole read of one query tile: its merge blocks in order, each folded from scratch and
+  // merged into the first.
+  auto read_tile = [&](Index tile, TileBuffers<Scalar>& buf, TileBuffers<Scalar>& part) {
+    load_queries(tile, buf);
+    const Index bq = std::min(positions_per_tile, n_pos - tile * positions_per_tile) * heads;
+    const TileRange range = key_range(tile);
+    if (range.last < range.first) {
+      buf.clear_state(bq, dv);
+      return;
+    }
+    for (Index b = range.first / kTilesPerBlock; b <= range.last / kTilesPerBlock; ++b) {
+      const Index first = std::max(range.first, b * kTilesPerBlock);
+      const Index last = std::min(range.last, b * kTilesPerBlock + kTilesPerBlock - 1);
+      if (b == range.first / kTilesPerBlock) {
+        fold_block(tile, first, last, buf);
+      } else {
+        std::copy(buf.q.begin(), buf.q.begin() + bq * dk, part.q.begin());
+        fold_block(tile, first, last, part);
+        merge_rows(bq, buf.acc.data(), buf.stats.data(), part.acc.data(), part.stats.data());
+      }
+    }
+  };
+  auto store = [&](Index tile, const Scalar* acc_rows) {
     const Index i0 = tile * positions_per_tile;
     const Index np = std::min(positions_per_tile, n_pos - i0);
     for (Index i = 0; i < np; ++i) {
       for (Index h = 0; h < heads; ++h) {
-        const Index r = i * heads + h;
         // The accumulator already is the average (zero when no row was visible). An average of
         // values never exceeds the largest of them; only rounding can push one near the largest
         // finite scalar past it, so that is clamped back.
         constexpr Scalar kMaxValue = std::numeric_limits<Scalar>::max();
-        const Scalar* acc = buf.acc.data() + r * dv;
+        const Scalar* acc = acc_rows + (i * heads + h) * dv;
         Scalar* out = o[h].row(i0 + i);
         for (Index c = 0; c < dv; ++c) out[c] = std::clamp(acc[c], -kMaxValue, kMaxValue);
       }
@@ -264,59 +348,56 @@ void read(const ConstRowsView<Scalar>* q, Index heads, const MemoryRows<Scalar>&
 
 #if defined(OVQ_HAS_OPENMP)
   const double work = 2.0 * static_cast<double>(stacked) *
-                      static_cast<double>(n_memory + local_used) * static_cast<double>(dk + dv);
-  if (detail::worth_parallel(work)) {
+                      static_cast<double>(axis.end() - axis.pad) * static_cast<double>(dk + dv);
+  const TileRange decode_range = key_range(0);
+  const Index decode_blocks =
+      n_tiles == 1 && decode_range.last >= decode_range.first
+          ? decode_range.last / kTilesPerBlock - decode_range.first / kTilesPerBlock + 1
+          : 0;
+  if (detail::worth_parallel(work) && (n_tiles > 1 || decode_blocks > 1)) {
     if (n_tiles > 1) {
       // Prefill: query tiles in parallel.
 #pragma omp parallel
       {
-        TileBuffers<Scalar> buf(tile_rows, dk, dv, kTile);
-        std::vector<KeyTile> tiles;
+        TileBuffers<Scalar> buf(tile_rows, dk, dv, kTile), part(tile_rows, dk, dv, kTile);
 #pragma omp for schedule(dynamic, 1)
         for (Index t = 0; t < n_tiles; ++t) {
-          key_tiles(t, tiles);
-          load_queries(t, buf);
-          fold(t, tiles.data(), tiles.data() + tiles.size(), buf);
-          store(t, buf);
+          read_tile(t, buf, part);
+          store(t, buf.acc.data());
         }
       }
       return;
     }
-    // Decode (one query tile over a long memory): split the key tiles across threads, each
-    // keeping its own (o, m, l), then merge them.
-    std::vector<KeyTile> tiles;
-    key_tiles(0, tiles);
-    const Index n_key_tiles = static_cast<Index>(tiles.size());
-    const int threads = static_cast<int>(std::min<Index>(omp_get_max_threads(), n_key_tiles));
-    if (threads > 1) {
-      std::vector<TileBuffers<Scalar>> parts;
-      parts.reserve(static_cast<std::size_t>(threads));
-      for (int t = 0; t < threads; ++t) parts.emplace_back(tile_rows, dk, dv, kTile);
-#pragma omp parallel for num_threads(threads) schedule(static, 1)
-      for (int t = 0; t < threads; ++t) {
-        const Index begin = n_key_tiles * t / threads;
-        const Index end = n_key_tiles * (t + 1) / threads;
-        load_queries(0, parts[static_cast<std::size_t>(t)]);
-        fold(0, tiles.data() + begin, tiles.data() + end, parts[static_cast<std::size_t>(t)]);
+    // Decode (one query tile over a long memory): merge blocks in parallel, each from scratch,
+    // then merged in order on this thread, exactly as read_tile merges them.
+    const Index bq = stacked;
+    const Index b0 = decode_range.first / kTilesPerBlock;
+    std::vector<Scalar> block_acc(static_cast<std::size_t>(decode_blocks * bq * dv));
+    std::vector<SoftmaxStats<Scalar>> block_stats(static_cast<std::size_t>(decode_blocks * bq));
+#pragma omp parallel
+    {
+      TileBuffers<Scalar> buf(tile_rows, dk, dv, kTile);
+      load_queries(0, buf);
+#pragma omp for schedule(static)
+      for (Index b = 0; b < decode_blocks; ++b) {
+        const Index first = std::max(decode_range.first, (b0 + b) * kTilesPerBlock);
+        const Index last = std::min(decode_range.last, (b0 + b + 1) * kTilesPerBlock - 1);
+        fold_block(0, first, last, buf);
+        std::copy(buf.acc.begin(), buf.acc.begin() + bq * dv, block_acc.begin() + b * bq * dv);
+        std::copy(buf.stats.begin(), buf.stats.begin() + bq, block_stats.begin() + b * bq);
       }
-      const Index bq = std::min(positions_per_tile, n_pos) * heads;
-      for (int t = 1; t < threads; ++t)
-        for (Index r = 0; r < bq; ++r)
-          merge_softmax(parts[0].acc.data() + r * dv, parts[0].stats[static_cast<std::size_t>(r)],
-                        parts[static_cast<std::size_t>(t)].acc.data() + r * dv,
-                        parts[static_cast<std::size_t>(t)].stats[static_cast<std::size_t>(r)], dv);
-      store(0, parts[0]);
-      return;
     }
+    for (Index b = 1; b < decode_blocks; ++b)
+      merge_rows(bq, block_acc.data(), block_stats.data(), block_acc.data() + b * bq * dv,
+                 block_stats.data() + b * bq);
+    store(0, block_acc.data());
+    return;
   }
 #endif
-  TileBuffers<Scalar> buf(tile_rows, dk, dv, kTile);
-  std::vector<KeyTile> tiles;
+  TileBuffers<Scalar> buf(tile_rows, dk, dv, kTile), part(tile_rows, dk, dv, kTile);
   for (Index t = 0; t < n_tiles; ++t) {
-    key_tiles(t, tiles);
-    load_queries(t, buf);
-    fold(t, tiles.data(), tiles.data() + tiles.size(), buf);
-    store(t, buf);
+    read_tile(t, buf, part);
+    store(t, buf.acc.data());
   }
 }
 

@@ -5,9 +5,14 @@
 //   o_i = beta S_i^T phi(q_i)                          (unnormalised)
 //   o_i = S_i^T phi(q_i) / (z_i . phi(q_i) + eps)      (normalised; beta cancels)
 //
-// Computed chunk by chunk in GEMM form (kernels/linear_chunk.hpp); the chunk length changes
-// nothing but rounding. State: LinearState (S, z), of constant size.
+// Computed in chunks of L tokens at fixed stream positions (kernels/linear_chunk.hpp): the rows
+// of the current, incomplete chunk wait in the state and are folded into (S, z) once the chunk is
+// complete. Every output is computed in the same order however the stream is split into calls, so
+// one forward call, pieces of any lengths and token-by-token steps give the same bits; the chunk
+// length changes nothing but rounding. State: LinearState (S, z and at most L pending rows), of
+// constant size.
 #include <algorithm>
+#include <vector>
 
 #include "ovq/core/checks.hpp"
 #include "ovq/kernels/linear_chunk.hpp"
@@ -49,42 +54,75 @@ class LinearAttention
     detail::check_scalar_range<Scalar>("LinearAttention", "beta", options_.beta);
     if (options_.normalize)  // eps must not round to 0 where it was meant to guard a division
       detail::check_scalar_range<Scalar>("LinearAttention", "eps", options_.eps);
+    powers_ = kernels::decay_powers(static_cast<Scalar>(options_.decay), options_.chunk);
   }
 
   const Options& options() const { return options_; }
 
-  State make_state(Index dk, Index dv) const { return State(dk, dv); }
+  State make_state(Index dk, Index dv) const { return State(dk, dv, options_.chunk); }
 
   void check_state(const char* where, const State& state) const {
     detail::require(state.key_dim() > 0, where, "state is empty, expected one from make_state");
+    detail::require(state.chunk() == options_.chunk, where, "state chunk = ", state.chunk(),
+                    ", expected ", options_.chunk, " (the mixer's)");
+  }
+
+  // S and z over every token the state has seen, its pending rows included: the S_t and z_t of
+  // the recurrence (MATH.md section 2). The state keeps the pending rows apart; this folds them
+  // into a copy.
+  struct Sums {
+    RowMatrix<Scalar> kv;   // S, dk x dv
+    RowVector<Scalar> k_sum;  // z, dk
+  };
+  Sums sums(const State& state) const {
+    check_state("sums", state);
+    Sums out{state.kv(), state.k_sum()};
+    if (state.pending() > 0) {
+      RowMatrix<Scalar> phi_k;
+      kernels::feature_map_rows(options_.feature_map, state.pending_keys(), phi_k);
+      kernels::linear_chunk_write(phi_k, state.pending_values(), out.kv, out.k_sum, powers_);
+    }
+    return out;
   }
 
   void forward_unchecked(State& state, const ConstRowsView<Scalar>* q, Index heads,
                          ConstRowsView<Scalar> k, ConstRowsView<Scalar> v,
                          const RowsView<Scalar>* o) const {
+    using Ops = kernels::TileOps<Scalar, Arch>;
     const kernels::LinearChunkParams<Scalar> params{
         static_cast<Scalar>(options_.beta), static_cast<Scalar>(options_.decay),
         options_.normalize, static_cast<Scalar>(options_.eps)};
-    // Powers up to the longest chunk this call can form (the option may exceed the call).
-    const std::vector<Scalar> powers =
-        kernels::decay_powers(params.decay, std::min(options_.chunk, std::max<Index>(k.rows, 1)));
-    RowMatrix<Scalar> phi_q, phi_k;
-    for (Index c0 = 0; c0 < k.rows; c0 += options_.chunk) {
-      const Index len = std::min(options_.chunk, k.rows - c0);
-      kernels::feature_map_rows(options_.feature_map, k.middle_rows(c0, len), phi_k);
-      const ConstRowsView<Scalar> v_chunk = v.middle_rows(c0, len);
-      for (Index h = 0; h < heads; ++h) {
-        kernels::feature_map_rows(options_.feature_map, q[h].middle_rows(c0, len), phi_q);
-        kernels::linear_chunk_read(phi_q, phi_k, v_chunk, state.kv(), state.k_sum(), powers,
-                                   params, o[h].middle_rows(c0, len));
+    const Index chunk = options_.chunk;
+    const Index dk = state.key_dim();
+    thread_local std::vector<Scalar> panels;
+    RowMatrix<Scalar> phi_k;
+    for (Index pos = 0; pos < k.rows;) {
+      const Index offset = state.pending();
+      const Index len = std::min(chunk - offset, k.rows - pos);
+      state.push_pending(k.middle_rows(pos, len), v.middle_rows(pos, len));
+      const bool complete = state.pending() == chunk;
+      if (heads > 0 || complete)
+        kernels::feature_map_rows(options_.feature_map, state.pending_keys(), phi_k);
+      if (heads > 0) {
+        kernels::read_detail::pack_key_panels<Scalar, Ops::kKeyTile>(
+            {phi_k.data(), phi_k.rows(), dk, dk}, panels);
+        kernels::linear_chunk_read<Scalar, Arch>(
+            detail::slice_heads(q, heads, pos, len).data(), heads, offset, options_.feature_map,
+            panels.data(), state.pending_values(), state.kv(), state.k_sum(), powers_, params,
+            detail::slice_heads(o, heads, pos, len).data());
       }
-      kernels::linear_chunk_write(phi_k, v_chunk, state.kv(), state.k_sum(), powers);
-      state.add_tokens(len);
+      if (complete) {
+        kernels::linear_chunk_write(phi_k, state.pending_values(), state.kv(), state.k_sum(),
+                                    powers_);
+        state.complete_chunk();
+      }
+      pos += len;
     }
   }
 
  private:
   Options options_;
+  std::vector<Scalar> powers_;  // g^i for i in [0, L]
 };
 
 }  // namespace ovq

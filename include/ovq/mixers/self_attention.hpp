@@ -6,8 +6,9 @@
 //   every key of the current call.
 //
 // State: the key/value cache (KvCache). Each call reads the cache as memory and the call's own
-// rows as local rows through the fused read, then appends. Any chunk length gives the same
-// result; `chunk` only bounds how many queries are read before their rows are appended.
+// rows as local rows through the fused read, then appends. Any chunk length, and any way of
+// cutting the stream into calls (step() included), gives the same bits; `chunk` only bounds how
+// many queries are read before their rows are appended.
 // Cost per call of T tokens over a cache of C rows: 2 T (C + T/2) (dk + dv) flops (causal).
 #include <algorithm>
 
@@ -66,7 +67,10 @@ class SelfAttention : public MixerBase<SelfAttention<Scalar, Arch>, Scalar, KvCa
     const Index piece = options_.causal ? options_.chunk : std::max<Index>(k.rows, 1);
     for (Index c0 = 0; c0 < k.rows; c0 += piece) {
       const Index len = std::min(piece, k.rows - c0);
-      const kernels::MemoryRows<Scalar> memory{state.keys(), state.values(), nullptr};
+      // The cache's rows start at absolute position tokens - size: the read tiles keys on
+      // absolute positions, so every cut of the stream gives the same bits.
+      const kernels::MemoryRows<Scalar> memory{state.keys(), state.values(), nullptr,
+                                               state.tokens() - state.size()};
       const kernels::LocalRows<Scalar> local{k.middle_rows(c0, len), v.middle_rows(c0, len)};
       const kernels::ReadMask mask{options_.causal, 0, options_.window};
       kernels::read<Scalar, Arch>(detail::slice_heads(q, heads, c0, len).data(), heads, memory,

@@ -4,9 +4,13 @@
 //
 //   z_j = argmin_s |k_j - C_s|^2 (ties: smallest s),  o_i = softmax_{j <= i}(beta q_i . C_{z_j}) v_j
 //
-// The past enters through its per-code counts c_s and mean values vbar_s (memory rows with bias
-// log c_s); the current chunk is read with its quantised keys as local rows. The result does not
-// depend on the chunk length. Cost per token: 2 S dk (quantise) + 2 (S + L/2)(dk + dv) (read).
+// Chunks of L tokens sit at fixed stream positions. Every token reads the past chunks through
+// their per-code counts c_s and mean values vbar_s (memory rows with bias log c_s), as they were
+// before its chunk, and the rows of its own chunk up to itself with their quantised keys (local
+// rows, kept in the state's pending buffer). A chunk is written into the counts and means once it
+// is complete. So forward calls of any lengths and token-by-token steps read the same rows and
+// write the same chunks, and the result does not depend on the chunk length (to rounding).
+// Cost per token: 2 S dk (quantise) + 2 (S + L/2)(dk + dv) (read).
 #include <algorithm>
 #include <vector>
 
@@ -46,45 +50,51 @@ class VqAttention : public MixerBase<VqAttention<Scalar, Arch>, Scalar, VqState<
   // codebook: S x dk (S >= 1, finite); dv: value width.
   State make_state(const ConstMatrixRef<Scalar>& codebook, Index dv) const {
     detail::check_positive("VqAttention::make_state", "codebook rows", codebook.rows());
-    return State(rows_view(codebook), dv);
+    return State(rows_view(codebook), dv, options_.chunk);
   }
 
   void check_state(const char* where, const State& state) const {
     detail::require(state.key_dim() > 0, where, "state is empty, expected one from make_state");
+    detail::require(state.chunk() == options_.chunk, where, "state chunk = ", state.chunk(),
+                    ", expected ", options_.chunk, " (the mixer's)");
   }
 
   void forward_unchecked(State& state, const ConstRowsView<Scalar>* q, Index heads,
                          ConstRowsView<Scalar> k, ConstRowsView<Scalar> v,
                          const RowsView<Scalar>* o) const {
     const Scalar beta = static_cast<Scalar>(options_.beta);
-    Dictionary<Scalar>& dict = state.dictionary();
-    const Index chunk = std::min(options_.chunk, std::max<Index>(k.rows, 1));
-    std::vector<Scalar> best(static_cast<std::size_t>(chunk));
-    std::vector<Index> code(static_cast<std::size_t>(chunk));
-    RowMatrix<Scalar> quantised(chunk, state.key_dim());
+    const Index chunk = options_.chunk;
+    const Index most = std::min(chunk, k.rows);
+    std::vector<Scalar> best(static_cast<std::size_t>(most));
+    std::vector<Index> code(static_cast<std::size_t>(most));
     kernels::AssignmentGroups groups;
-    for (Index c0 = 0; c0 < k.rows; c0 += chunk) {
-      const Index len = std::min(chunk, k.rows - c0);
-      const ConstRowsView<Scalar> k_chunk = k.middle_rows(c0, len);
-      const ConstRowsView<Scalar> v_chunk = v.middle_rows(c0, len);
-      kernels::assign_nearest<Scalar, Arch>(k_chunk, state.codebook(), state.neg_half_norms(),
-                                            best.data(), code.data());
-      for (Index i = 0; i < len; ++i) quantised.row(i) = as_eigen(state.codebook()).row(code[i]);
+    for (Index pos = 0; pos < k.rows;) {
+      const Index offset = state.pending();
+      const Index len = std::min(chunk - offset, k.rows - pos);
+      kernels::assign_nearest<Scalar, Arch>(k.middle_rows(pos, len), state.codebook(),
+                                            state.neg_half_norms(), best.data(), code.data());
+      state.push_pending(code.data(), v.middle_rows(pos, len));
 
+      const Dictionary<Scalar>& dict = state.dictionary();
       const kernels::MemoryRows<Scalar> memory{dict.keys(), dict.values(), dict.log_counts()};
-      const kernels::LocalRows<Scalar> local{
-          {quantised.data(), len, state.key_dim(), state.key_dim()}, v_chunk};
-      kernels::read<Scalar, Arch>(detail::slice_heads(q, heads, c0, len).data(), heads, memory,
-                                  local, kernels::ReadMask{}, beta,
-                                  detail::slice_heads(o, heads, c0, len).data());
+      const kernels::LocalRows<Scalar> local{state.pending_keys(), state.pending_values()};
+      const kernels::ReadMask mask{true, offset, 0};
+      kernels::read<Scalar, Arch>(detail::slice_heads(q, heads, pos, len).data(), heads, memory,
+                                  local, mask, beta,
+                                  detail::slice_heads(o, heads, pos, len).data());
 
-      groups.build(code.data(), len, dict.size());
-      kernels::scatter_mean_update<Scalar>(dict.values(), dict.counts(), groups, v_chunk,
-                                           UpdateRate::adaptive());
-      for (Index g = 0; g < groups.size(); ++g) {
-        const Index r = groups.rows[static_cast<std::size_t>(g)];
-        dict.set_count(r, dict.count(r) + groups.members(g));
+      if (state.pending() == chunk) {
+        Dictionary<Scalar>& d = state.dictionary();
+        groups.build(state.pending_codes(), chunk, d.size());
+        kernels::scatter_mean_update<Scalar>(d.values(), d.counts(), groups,
+                                             state.pending_values(), UpdateRate::adaptive());
+        for (Index g = 0; g < groups.size(); ++g) {
+          const Index r = groups.rows[static_cast<std::size_t>(g)];
+          d.set_count(r, d.count(r) + groups.members(g));
+        }
+        state.complete_chunk();
       }
+      pos += len;
     }
   }
 

@@ -2,11 +2,14 @@
 // The micro-kernels of the fused read, per architecture. The tile loop (kernels/read.hpp) is
 // written once; only these inner operations differ.
 //
+//   pack_panel     K^T panel (d x kKeyTile, key fastest) from kKeyTile key rows (null: zeros)
 //   scores_packed  S[i][j] = beta q_i . K[j]        q: bq x d (row-major), K^T panel: d x kKeyTile
-//   scores_rows    S[i][j] = beta q_i . K[j]        K: bk x d row-major (few queries: no packing)
-//   exp_sum        s[j] = exp(s[j] - m), returns sum_j s[j]
+//   exp_sum        s[j] = exp(s[j] - m) over one score row (kKeyTile entries), returns sum_j s[j]
 //   accumulate     acc[i][:] += sum_j P[i][j] V[j][:]    P: bq x kKeyTile, V: bk x dv
 //
+// Every score is one chain q_i[0] K[j][0] + q_i[1] K[j][1] + ... in order of the feature index,
+// whatever the number of query rows: a query's scores do not depend on what else is in its tile,
+// which is what makes a read independent of how the stream was cut into calls.
 // TileOps<Scalar, arch::scalar> is plain C++ and always available. The SIMD versions (float,
 // AVX-512 and AVX2+FMA) share one register-blocked template over a small vector wrapper.
 #include <algorithm>
@@ -25,6 +28,20 @@ namespace ovq::kernels {
 template <class Scalar, class Arch>
 struct TileOps;
 
+// a * b + c, rounded the same way in every compiled copy of a kernel: one fused operation where
+// the target has FMA, two roundings where it has none. Left to the compiler, GCC's default
+// -ffp-contract=fast may fuse one inlined copy and not another, and then a query read in a
+// different call shape (decode vs prefill) would get different bits.
+template <class Scalar>
+inline Scalar fused_multiply_add(Scalar a, Scalar b, Scalar c) {
+#if defined(__FMA__)
+  return std::fma(a, b, c);
+#else
+  const Scalar product = a * b;
+  return product + c;
+#endif
+}
+
 // ---- portable ----
 
 template <class Scalar>
@@ -41,29 +58,23 @@ struct TileOps<Scalar, arch::scalar> {
       for (Index k = 0; k < d; ++k) {
         const Scalar a = qi[k];
         const Scalar* p = panel + k * kKeyTile;
-        for (Index j = 0; j < kKeyTile; ++j) row[j] += a * p[j];
+        for (Index j = 0; j < kKeyTile; ++j) row[j] = fused_multiply_add(a, p[j], row[j]);
       }
       for (Index j = 0; j < kKeyTile; ++j) row[j] *= beta;
     }
   }
 
-  // Cost: 2 bq bk d flops.
-  static void scores_rows(const Scalar* q, Index q_stride, Index bq, const Scalar* k,
-                          Index k_stride, Index bk, Index d, Scalar beta, Scalar* s) {
-    for (Index i = 0; i < bq; ++i) {
-      for (Index j = 0; j < bk; ++j) {
-        const Scalar* qi = q + i * q_stride;
-        const Scalar* kj = k + j * k_stride;
-        Scalar dot = Scalar(0);
-        for (Index c = 0; c < d; ++c) dot += qi[c] * kj[c];
-        s[i * kKeyTile + j] = beta * dot;
-      }
+  // rows[j] (d entries) becomes column j of the panel; a null row gives zeros. Cost: d kKeyTile.
+  static void pack_panel(const Scalar* const* rows, Index d, Scalar* panel) {
+    for (Index j = 0; j < kKeyTile; ++j) {
+      const Scalar* row = rows[j];
+      for (Index k = 0; k < d; ++k) panel[k * kKeyTile + j] = row != nullptr ? row[k] : Scalar(0);
     }
   }
 
-  static Scalar exp_sum(Scalar* s, Index n, Scalar m) {
+  static Scalar exp_sum(Scalar* s, Scalar m) {
     Scalar sum = Scalar(0);
-    for (Index j = 0; j < n; ++j) {
+    for (Index j = 0; j < kKeyTile; ++j) {
       s[j] = std::exp(s[j] - m);
       sum += s[j];
     }
@@ -79,7 +90,7 @@ struct TileOps<Scalar, arch::scalar> {
         const Scalar w = p[i * kKeyTile + j];
         if (w == Scalar(0)) continue;
         const Scalar* vj = v + j * v_stride;
-        for (Index c = 0; c < dv; ++c) a[c] += w * vj[c];
+        for (Index c = 0; c < dv; ++c) a[c] = fused_multiply_add(w, vj[c], a[c]);
       }
     }
   }
@@ -157,6 +168,31 @@ struct F32x8 {
 };
 #endif
 
+// x[i][c] -> x[c][i] for an 8 x 8 block of floats (AVX, so AVX-512 builds use it too).
+inline void transpose8x8(__m256 x[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(x[0], x[1]), t1 = _mm256_unpackhi_ps(x[0], x[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(x[2], x[3]), t3 = _mm256_unpackhi_ps(x[2], x[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(x[4], x[5]), t5 = _mm256_unpackhi_ps(x[4], x[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(x[6], x[7]), t7 = _mm256_unpackhi_ps(x[6], x[7]);
+  // s_c holds columns c (low 128 bits: rows 0-3) and c + 4 (high: rows 0-3), rows 4-7 in s_c+4.
+  const __m256 s0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 s1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 s2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 s3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 s4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 s5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 s6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 s7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+  x[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
+  x[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+  x[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
+  x[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+  x[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
+  x[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+  x[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
+  x[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
 // exp(x) for x <= 0 (the only case a max-subtracted softmax needs): 2^n e^r with
 // n = round(x / ln 2), r = x - n ln 2 in [-ln2/2, ln2/2], e^r by a degree-6 polynomial
 // (relative error ~2e-7). x below -87.3 (including -inf) gives exactly 0.
@@ -217,38 +253,33 @@ struct SimdTileOps {
     for (; i < bq; ++i) scores_block<1>(q + i * q_stride, q_stride, panel, d, beta, s + i * kKeyTile);
   }
 
-  // Few queries over row-major keys: dot products along d, four keys at a time.
-  static void scores_rows(const float* q, Index q_stride, Index bq, const float* k,
-                          Index k_stride, Index bk, Index d, float beta, float* s) {
-    const Index dv_main = d - d % W;
-    for (Index i = 0; i < bq; ++i) {
-      const float* qi = q + i * q_stride;
-      for (Index j = 0; j < bk; ++j) {
-        const float* kj = k + j * k_stride;
-        reg acc = V::zero();
-        for (Index c = 0; c < dv_main; c += W) acc = V::fmadd(V::load(qi + c), V::load(kj + c), acc);
-        float dot = V::reduce_add(acc);
-        for (Index c = dv_main; c < d; ++c) dot += qi[c] * kj[c];
-        s[i * kKeyTile + j] = beta * dot;
+  // rows[j] (d floats) becomes column j of the panel, a null row zeros: 8 x 8 blocks transposed
+  // in registers (the panel of a key tile costs about as much as reading its keys once).
+  static void pack_panel(const float* const* rows, Index d, float* panel) {
+    const Index d_main = d - d % 8;
+    for (Index g = 0; g < kKeyTile; g += 8) {
+      const float* const* r = rows + g;
+      for (Index k = 0; k < d_main; k += 8) {
+        __m256 x[8];
+        for (int i = 0; i < 8; ++i)
+          x[i] = r[i] != nullptr ? _mm256_loadu_ps(r[i] + k) : _mm256_setzero_ps();
+        transpose8x8(x);
+        for (int i = 0; i < 8; ++i) _mm256_storeu_ps(panel + (k + i) * kKeyTile + g, x[i]);
       }
+      for (Index k = d_main; k < d; ++k)
+        for (int i = 0; i < 8; ++i) panel[k * kKeyTile + g + i] = r[i] != nullptr ? r[i][k] : 0.0f;
     }
   }
 
-  static float exp_sum(float* s, Index n, float m) {
+  static float exp_sum(float* s, float m) {
     const reg mv = V::set1(m);
     reg sum = V::zero();
-    Index j = 0;
-    for (; j + W <= n; j += W) {
+    for (Index j = 0; j < kKeyTile; j += W) {
       const reg e = exp_nonpositive<V>(V::sub(V::load(s + j), mv));
       V::store(s + j, e);
       sum = V::add(sum, e);
     }
-    float total = V::reduce_add(sum);
-    for (; j < n; ++j) {
-      s[j] = std::exp(s[j] - m);
-      total += s[j];
-    }
-    return total;
+    return V::reduce_add(sum);
   }
 
   // Register block: R rows x C vectors of acc. Cost 2 R bk (C W) flops.
@@ -279,11 +310,11 @@ struct SimdTileOps {
     for (; c + 4 * W <= dv; c += 4 * W)
       accumulate_block<R, 4>(p, bk, v + c, v_stride, acc + c, acc_stride);
     for (; c + W <= dv; c += W) accumulate_block<R, 1>(p, bk, v + c, v_stride, acc + c, acc_stride);
-    for (; c < dv; ++c) {  // columns past the last full vector
+    for (; c < dv; ++c) {  // columns past the last full vector: the same chain as the vectors
       for (int i = 0; i < R; ++i) {
-        float sum = 0.0f;
-        for (Index j = 0; j < bk; ++j) sum += p[i * kKeyTile + j] * v[j * v_stride + c];
-        acc[i * acc_stride + c] += sum;
+        float a = acc[i * acc_stride + c];
+        for (Index j = 0; j < bk; ++j) a = fused_multiply_add(p[i * kKeyTile + j], v[j * v_stride + c], a);
+        acc[i * acc_stride + c] = a;
       }
     }
   }
