@@ -509,9 +509,11 @@ TEST_CASE("errors: LinearAttentionOptions are validated by the constructor", "[e
     edit(o);
     return o;
   };
-  for (ovq::Index chunk : {ovq::Index(0), ovq::Index(-3)}) {
+  // Too large a chunk is refused before anything is sized from it.
+  for (ovq::Index chunk : {ovq::Index(0), ovq::Index(-3), ovq::detail::kMaxChunk + 1,
+                           std::numeric_limits<ovq::Index>::max()}) {
     CHECK_ARG_ERROR(M(with([&](auto& o) { o.chunk = chunk; })), "LinearAttention",
-                    str("chunk = ", chunk), "expected >= 1");
+                    str("chunk = ", chunk), str("expected 1 ... ", ovq::detail::kMaxChunk));
   }
   for (double beta : {kNaN, kInf, 0.0, -1.0}) {
     CAPTURE(beta);
@@ -539,8 +541,10 @@ TEST_CASE("errors: VqAttentionOptions are validated by the constructor", "[error
     edit(o);
     return o;
   };
-  CHECK_ARG_ERROR(M(with([](auto& o) { o.chunk = 0; })), "VqAttention", "chunk = 0",
-                  "expected >= 1");
+  for (ovq::Index chunk : {ovq::Index(0), ovq::detail::kMaxChunk + 1}) {
+    CHECK_ARG_ERROR(M(with([&](auto& o) { o.chunk = chunk; })), "VqAttention",
+                    str("chunk = ", chunk), str("expected 1 ... ", ovq::detail::kMaxChunk));
+  }
   for (double beta : {kNaN, kInf, 0.0, -1.0}) {
     CAPTURE(beta);
     CHECK_ARG_ERROR(M(with([&](auto& o) { o.beta = beta; })), "VqAttention", "beta",
@@ -559,8 +563,10 @@ TEST_CASE("errors: OvqOptions are validated by the constructor", "[errors]") {
     CHECK_ARG_ERROR(M(with([&](auto& o) { o.capacity = n; })), "OvqAttention",
                     str("capacity = ", n), "expected >= 1");
     CHECK_ARG_ERROR(M(with([&](auto& o) { o.chunk = n; })), "OvqAttention",
-                    str("chunk = ", n), "expected >= 1");
+                    str("chunk = ", n), str("expected 1 ... ", ovq::detail::kMaxChunk));
   }
+  CHECK_ARG_ERROR(M(with([](auto& o) { o.chunk = ovq::detail::kMaxChunk + 1; })), "OvqAttention",
+                  str("chunk = ", ovq::detail::kMaxChunk + 1), "expected 1 ...");
   for (double beta : {kNaN, kInf, -kInf, 0.0, -1.0}) {
     CAPTURE(beta);
     CHECK_ARG_ERROR(M(with([&](auto& o) { o.beta = beta; })), "OvqAttention", "beta",

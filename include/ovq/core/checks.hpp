@@ -59,6 +59,16 @@ inline void check_positive(const char* where, const char* name, Index value) {
   }
 }
 
+// Chunk lengths of the mixers whose states keep the current chunk (linear, VQ, OVQ): a chunk is
+// a unit of work held in memory, so it is bounded, and a state never sizes a buffer from an
+// unchecked option.
+inline constexpr Index kMaxChunk = Index(1) << 20;
+
+inline void check_chunk(const char* where, Index chunk) {
+  require(chunk >= 1 && chunk <= kMaxChunk, where, "chunk = ", chunk, ", expected 1 ... ",
+          kMaxChunk);
+}
+
 // A real option (beta, eps) must survive the conversion to the mixer's scalar type: neither
 // overflow to infinity nor round to 0.
 template <class Scalar>

@@ -37,7 +37,7 @@ struct LinearAttentionOptions {
                     ", expected a value in (0, 1]");
     detail::require(std::isfinite(eps) && eps >= 0.0, where, "eps = ", eps,
                     ", expected a finite value >= 0");
-    detail::check_positive(where, "chunk", chunk);
+    detail::check_chunk(where, chunk);
   }
 };
 

@@ -29,7 +29,7 @@ struct OvqOptions {
 
   void validate(const char* where = "OvqAttention") const {
     detail::check_positive(where, "capacity", capacity);
-    detail::check_positive(where, "chunk", chunk);
+    detail::check_chunk(where, chunk);
     detail::check_positive_finite(where, "beta", beta);
     growth.validate(where);
     rate.validate(where);

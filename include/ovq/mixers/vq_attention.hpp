@@ -29,7 +29,7 @@ struct VqAttentionOptions {
 
   void validate(const char* where = "VqAttention") const {
     detail::check_positive_finite(where, "beta", beta);
-    detail::check_positive(where, "chunk", chunk);
+    detail::check_chunk(where, chunk);
   }
 };
 
