@@ -105,13 +105,15 @@ bool read_options(Fields& f, LinearAttentionOptions& o) {
   o.chunk = f.get<std::int64_t>();
   o.feature_map = static_cast<kernels::FeatureMap>(map);
   o.normalize = normalize != 0;
-  return f.ok() && map <= 2 && normalize <= 1;
+  // The chunk sizes the state and the forward call that completes a chunk: modest ones only,
+  // as for OVQ below.
+  return f.ok() && map <= 2 && normalize <= 1 && o.chunk <= 4096;
 }
 
 bool read_options(Fields& f, VqAttentionOptions& o) {
   o.beta = f.get<double>();
   o.chunk = f.get<std::int64_t>();
-  return f.ok();
+  return f.ok() && o.chunk <= 4096;  // modest chunks only, as for linear attention and OVQ
 }
 
 bool read_options(Fields& f, OvqOptions& o) {

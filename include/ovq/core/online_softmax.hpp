@@ -37,6 +37,15 @@ OVQ_HOST_DEVICE void merge_softmax(Scalar* o_a, SoftmaxStats<Scalar>& a, const S
   const Scalar lb = b.l * std::exp(b.m - m);
   const Scalar l = la + lb;
   const Scalar wa = la / l, wb = lb / l;
+  // A side whose weight is 0 is dropped, not multiplied: its average may have rounded past
+  // the largest finite value, and 0 * inf would be NaN.
+  if (wa == Scalar(0) || wb == Scalar(0)) {
+    if (wa == Scalar(0))
+      for (Index d = 0; d < dim; ++d) o_a[d] = o_b[d];
+    a.l = l;
+    a.m = m;
+    return;
+  }
   // One explicit rounding pattern (fused where the target has FMA), never left to the
   // compiler's contraction choices, so every compiled copy of a merge gives the same bits.
   for (Index d = 0; d < dim; ++d) {

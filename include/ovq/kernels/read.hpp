@@ -196,8 +196,14 @@ void fold_key_tile(const KeyAxis<Scalar>& axis, Index tile, const Scalar* panel,
     const Scalar keep = l_kept / l_new;
     const Scalar inv = Scalar(1) / l_new;
     if (keep != Scalar(1)) {
+      // keep = 0: the old rows vanish next to the new maximum. Assigned, not multiplied, so
+      // that an average that rounded past the largest finite value (inf) leaves no 0 * inf.
       Scalar* acc = buf.acc.data() + r * dv;
-      for (Index c = 0; c < dv; ++c) acc[c] *= keep;
+      if (keep == Scalar(0)) {
+        std::fill(acc, acc + dv, Scalar(0));
+      } else {
+        for (Index c = 0; c < dv; ++c) acc[c] *= keep;
+      }
     }
     for (Index j = 0; j < kTile; ++j) row[j] *= inv;
     st.l = l_new;
