@@ -449,7 +449,6 @@ class SingleRun {
                " inputs_finite=", inputs_finite, " max|K|,|V|=", largest,
                op == kAbsorb ? "" : " max|Q|=", op == kAbsorb ? S(0) : max_abs(q[0]));
 
-    const State before = state;
     const std::vector<unsigned char> bytes_before = io::encode_state(mixer_, state);
     bool threw = false;
     std::string error;
@@ -489,8 +488,8 @@ class SingleRun {
 
     if (threw) {
       trace_.add("  -> ArgumentError: ", error);
-      OVQ_FUZZ_CHECK(same_state(state, before), kOpName[op],
-                     " threw but changed the state: ", error, trace_.str());
+      // Bitwise, through the encoded bytes: a state whose sums overflowed (linear attention's
+      // documented class) holds NaN, and NaN != NaN would report an untouched state as changed.
       OVQ_FUZZ_CHECK(io::encode_state(mixer_, state) == bytes_before, kOpName[op],
                      " threw but changed the state's bytes: ", error, trace_.str());
       return;
@@ -610,7 +609,6 @@ class MultiRun {
     trace_.add(kOpName[op], " T=", t, " bad_shape=", shape_is_bad ? bad : 0,
                " inputs_finite=", inputs_finite, " max|K|,|V|=", std::max(max_abs(k), max_abs(v)));
 
-    const std::vector<State> before = layer.states();
     const std::vector<unsigned char> bytes_before = io::encode_state(layer);
     bool threw = false;
     std::string error;
@@ -629,8 +627,7 @@ class MultiRun {
     }
     if (threw) {
       trace_.add("  -> ArgumentError: ", error);
-      OVQ_FUZZ_CHECK(layer.states() == before, kOpName[op], " threw but changed a state: ", error,
-                     trace_.str());
+      // Bitwise, through the encoded bytes (NaN != NaN in a state whose sums overflowed).
       OVQ_FUZZ_CHECK(io::encode_state(layer) == bytes_before, kOpName[op],
                      " threw but changed the states' bytes: ", error, trace_.str());
       return;
