@@ -7,6 +7,11 @@
 #include "support/catch.hpp"
 #include "support/fixtures.hpp"
 
+// ovq_tests_avx512 compiles this file for AVX-512 so that arch::native is arch::avx512.
+#if defined(OVQ_EXPECT_AVX512) && !defined(OVQ_ARCH_AVX512)
+#error "ovq_tests_avx512 is compiled without AVX-512F: the AVX-512 kernels would go untested"
+#endif
+
 // Everything below lives in this file's own namespace, so the suite can be built as one
 // unity source without the files' helpers colliding.
 namespace ovq_test_kernels {

@@ -12,6 +12,7 @@
 #include "ovq/core/checks.hpp"
 #include "ovq/core/types.hpp"
 #include "ovq/state/dictionary.hpp"
+#include "ovq/state/pending_rows.hpp"
 
 namespace ovq {
 
@@ -30,22 +31,19 @@ class VqState {
                     detail::positive("VqState", "dv", dv)),
         neg_half_norms_(codebook.rows),
         pending_codes_(static_cast<std::size_t>(detail::positive("VqState", "chunk", chunk)), 0),
-        pending_keys_(chunk, codebook.cols),
-        pending_values_(chunk, dv) {
+        pending_("VqState", chunk, codebook.cols, dv) {
     detail::check_finite<Scalar>("VqState", "codebook", codebook);
     RowVector<Scalar> zero = RowVector<Scalar>::Zero(dv);
     for (Index s = 0; s < codebook.rows; ++s) {
       dictionary_.push(codebook.row(s), zero.data(), 0);
       neg_half_norms_[s] = Scalar(-0.5) * row_map(codebook, s).squaredNorm();
     }
-    pending_keys_.setZero();
-    pending_values_.setZero();
   }
 
   Index key_dim() const { return dictionary_.key_dim(); }
   Index value_dim() const { return dictionary_.value_dim(); }
   Index codebook_size() const { return dictionary_.capacity(); }
-  Index chunk() const { return pending_keys_.rows(); }
+  Index chunk() const { return pending_.chunk(); }
   ConstRowsView<Scalar> codebook() const { return dictionary_.keys(); }
   // -|C_s|^2 / 2: the offset turning the inner-product argmax into the nearest code.
   const Scalar* neg_half_norms() const { return neg_half_norms_.data(); }
@@ -56,80 +54,74 @@ class VqState {
   // Tokens written into the counts (the sum of the counts).
   std::int64_t absorbed() const { return dictionary_.total_count(); }
   // Tokens seen: absorbed plus pending.
-  std::int64_t tokens() const { return absorbed() + pending_; }
+  std::int64_t tokens() const { return absorbed() + pending(); }
 
-  Index pending() const { return pending_; }
+  Index pending() const { return pending_.size(); }
   // The codes, quantised keys (codebook rows) and values of the current chunk's rows.
   const Index* pending_codes() const { return pending_codes_.data(); }
-  ConstRowsView<Scalar> pending_keys() const {
-    return {pending_keys_.data(), pending_, key_dim(), key_dim()};
-  }
-  ConstRowsView<Scalar> pending_values() const {
-    return {pending_values_.data(), pending_, value_dim(), value_dim()};
-  }
+  ConstRowsView<Scalar> pending_keys() const { return pending_.keys(); }
+  ConstRowsView<Scalar> pending_values() const { return pending_.values(); }
 
   // Appends rows (their codes and values) to the pending buffer, at most chunk() - pending().
   void push_pending(const Index* codes, ConstRowsView<Scalar> v) {
-    const char* where = "VqState::push_pending";
-    detail::require(v.rows <= chunk() - pending_, where, "V has ", v.rows,
-                    " rows, expected at most ", chunk() - pending_, " (free pending rows)");
-    detail::check_cols(where, "V", v.cols, value_dim(), "the state's dv");
-    for (Index i = 0; i < v.rows; ++i) {
-      detail::require(codes[i] >= 0 && codes[i] < codebook_size(), where, "code ", i, " = ",
-                      codes[i], ", expected a value in [0, ", codebook_size(), ")");
-    }
-    for (Index i = 0; i < v.rows; ++i, ++pending_) {
-      pending_codes_[static_cast<std::size_t>(pending_)] = codes[i];
-      const Scalar* key = dictionary_.keys().row(codes[i]);
-      std::copy(key, key + key_dim(), pending_keys_.row(pending_).data());
-      std::copy(v.row(i), v.row(i) + value_dim(), pending_values_.row(pending_).data());
-    }
+    check_rows("VqState::push_pending", codes, v, pending_.free_rows());
+    append(codes, v);
   }
   // After the full chunk was written into the counts and means.
-  void complete_chunk() { pending_ = 0; }
-  // Replaces the pending rows (loading a saved state): fewer than chunk() of them.
+  void complete_chunk() { pending_.clear(); }
+  // Replaces the pending rows (loading a saved state): fewer than chunk() of them. Checked
+  // before anything changes.
   void restore_pending(const Index* codes, ConstRowsView<Scalar> v) {
-    detail::require(v.rows < chunk(), "VqState::restore_pending", "pending rows = ", v.rows,
-                    ", expected < chunk = ", chunk());
-    const Index kept = pending_;
-    pending_ = 0;
-    try {
-      push_pending(codes, v);
-    } catch (...) {
-      pending_ = kept;
-      throw;
-    }
+    const char* where = "VqState::restore_pending";
+    detail::require(v.rows < chunk(), where, "pending rows = ", v.rows, ", expected < chunk = ",
+                    chunk());
+    check_rows(where, codes, v, chunk());
+    pending_.clear();
+    append(codes, v);
   }
 
   std::size_t bytes() const {
     return dictionary_.bytes() + static_cast<std::size_t>(neg_half_norms_.size()) * sizeof(Scalar) +
-           static_cast<std::size_t>(pending_keys_.size() + pending_values_.size()) *
-               sizeof(Scalar) +
-           pending_codes_.size() * sizeof(Index);
+           pending_.bytes() + pending_codes_.size() * sizeof(Index);
   }
 
   // Forgets the stream; the codebook stays.
   void reset() {
     for (Index s = 0; s < dictionary_.size(); ++s) dictionary_.set_count(s, 0);
     as_eigen(dictionary_.values()).setZero();
-    pending_ = 0;
+    pending_.clear();
   }
 
   friend bool operator==(const VqState& a, const VqState& b) {
-    return a.dictionary_ == b.dictionary_ && a.chunk() == b.chunk() && a.pending_ == b.pending_ &&
-           std::equal(a.pending_codes_.begin(), a.pending_codes_.begin() + a.pending_,
-                      b.pending_codes_.begin()) &&
-           as_eigen(a.pending_values()) == as_eigen(b.pending_values());
+    // The pending keys are the codebook rows of the pending codes: comparing them adds nothing.
+    return a.dictionary_ == b.dictionary_ && a.pending_ == b.pending_ &&
+           std::equal(a.pending_codes_.begin(), a.pending_codes_.begin() + a.pending(),
+                      b.pending_codes_.begin());
   }
   friend bool operator!=(const VqState& a, const VqState& b) { return !(a == b); }
 
  private:
+  void check_rows(const char* where, const Index* codes, ConstRowsView<Scalar> v,
+                  Index free_rows) const {
+    detail::require(v.rows <= free_rows, where, "V has ", v.rows, " rows, expected at most ",
+                    free_rows, " (free pending rows)");
+    detail::check_cols(where, "V", v.cols, value_dim(), "the state's dv");
+    for (Index i = 0; i < v.rows; ++i) {
+      detail::require(codes[i] >= 0 && codes[i] < codebook_size(), where, "code ", i, " = ",
+                      codes[i], ", expected a value in [0, ", codebook_size(), ")");
+    }
+  }
+  void append(const Index* codes, ConstRowsView<Scalar> v) {
+    for (Index i = 0; i < v.rows; ++i) {
+      pending_codes_[static_cast<std::size_t>(pending())] = codes[i];
+      pending_.append_row(dictionary_.keys().row(codes[i]), v.row(i));
+    }
+  }
+
   Dictionary<Scalar> dictionary_;  // keys: the codebook; values: mean value per code
   RowVector<Scalar> neg_half_norms_;
   std::vector<Index> pending_codes_;  // chunk entries, [0, pending) in use
-  RowMatrix<Scalar> pending_keys_;    // chunk x dk: the codebook rows of the pending codes
-  RowMatrix<Scalar> pending_values_;  // chunk x dv
-  Index pending_ = 0;
+  PendingRows<Scalar> pending_;       // the codebook rows of the pending codes, and the values
 };
 
 }  // namespace ovq
