@@ -75,6 +75,7 @@ class Result:
         self.time_ms = raw.get("real_time", float("nan")) * TO_MS.get(raw.get("time_unit", "ns"),
                                                                     1e-6)
         self.iterations = raw.get("iterations", 0)
+        self.repetitions = 1
 
     def counter(self, key, default=float("nan")):
         return self.raw.get(key, default)
@@ -138,7 +139,15 @@ def load(directory):
             continue
         contexts[base] = context
         for r in results:
-            main[(base.split(".")[0], r.name)] = r
+            # Repetitions (--benchmark_repetitions) give a case several results: the best time
+            # is kept, with how many there were.
+            key = (base.split(".")[0], r.name)
+            kept = main.get(key)
+            r.repetitions = 1 + (kept.repetitions if kept else 0)
+            if kept is None or kept.error or (not r.error and r.time_ms < kept.time_ms):
+                main[key] = r
+            else:
+                kept.repetitions = r.repetitions
     memory = None
     mpath = os.path.join(directory, "bench_ovq_memory.json")
     if os.path.exists(mpath):
@@ -531,6 +540,10 @@ def write_report(directory, args, main, scaling, contexts, memory, problems, plo
                          "1 on an idle machine): " + ", ".join(fmt(x, 2) for x in share)
                          + (" -- **the machine was busy: times are inflated and noisy**"
                             if min(share) < 0.8 else ""))
+    reps = max((r.repetitions for r in main.values()), default=1)
+    if reps > 1:
+        lines.append(f"- repetitions: every case ran {reps} times in a row; each number below is "
+                     "from its fastest repetition (the sgemm reference too)")
     if args.run_seconds is not None:
         lines.append(f"- wall time: runs {args.run_seconds} s, build {args.build_seconds} s")
     lines.append("")
@@ -538,7 +551,7 @@ def write_report(directory, args, main, scaling, contexts, memory, problems, plo
                  "and of linear attention's chunk products; for OVQ the reads, the assignment "
                  "and the seeding, with the dictionary size given by the growth schedule "
                  "(fixed at N for the `_full` cases, which start from a full dictionary). "
-                 "frac_sgemm divides by the sgemm rate measured in the same process. Names "
+                 "frac_sgemm divides by the best sgemm rate measured in the same process. Names "
                  "below drop Google Benchmark's `/real_time` suffix. Time is wall time.")
     lines.append("")
     lines.append("## Headline")

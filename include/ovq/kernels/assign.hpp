@@ -14,7 +14,6 @@
 
 #include "ovq/core/types.hpp"
 #include "ovq/kernels/arch/tile_ops.hpp"
-#include "ovq/kernels/read.hpp"
 
 namespace ovq::kernels {
 
@@ -32,7 +31,7 @@ void assign_nearest(ConstRowsView<Scalar> x, ConstRowsView<Scalar> centroids,
   }
   if (n == 0 || x.rows == 0) return;
   thread_local std::vector<Scalar> panels;
-  read_detail::pack_key_panels<Scalar, kTile>(centroids, panels);
+  pack_key_panels<Scalar, kTile>(centroids, panels);
   std::vector<Scalar> x_rows(static_cast<std::size_t>(kRows * d));
   std::vector<Scalar> scores(static_cast<std::size_t>(kRows * kTile));
   for (Index i0 = 0; i0 < x.rows; i0 += kRows) {

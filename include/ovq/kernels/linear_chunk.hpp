@@ -39,7 +39,6 @@
 #include "ovq/core/threads.hpp"
 #include "ovq/core/types.hpp"
 #include "ovq/kernels/arch/tile_ops.hpp"
-#include "ovq/kernels/read.hpp"
 
 namespace ovq::kernels {
 
@@ -124,7 +123,7 @@ const Scalar* padded_copy(const Scalar* src, Index rows, Index cols, Index src_s
 // Reads query rows [first, first + n) of a chunk (chunk-local positions) for `heads` query heads
 // q[h] (n x dk) into o[h] (n x dv); the state is not changed.
 //   key_panels  phi(k_j) for the chunk's rows j in [0, first + n), packed by
-//               read_detail::pack_key_panels into panels of TileOps<Scalar, Arch>::kKeyTile
+//               pack_key_panels into panels of TileOps<Scalar, Arch>::kKeyTile
 //               keys from the chunk's first row
 //   values      v_j for j in [0, first + n)
 //   kv, k_sum   S (dk x dv) and z (dk) of the chunks before this one

@@ -26,8 +26,8 @@
 //
 // Shapes: q[h] (Tq x dk), Km (Nm x dk), Vm (Nm x dv), bias (Nm), Kl (Nl x dk), Vl (Nl x dv),
 // o[h] (Tq x dv). Cost: 2 heads Tq (Nm' + Nl') (dk + dv) flops, Nm' and Nl' the visible rows
-// (the causal half only: tiles no query of a tile sees are skipped), plus O((Nm + Nl) dk) to pack
-// the keys when there are enough queries to reuse them.
+// (the causal half only: tiles no query of a tile sees are skipped). Keys and values are read in
+// place (TileOps::scores_rows), nothing is packed.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -68,28 +68,9 @@ namespace read_detail {
 // Stacked query rows per tile: 64 rows of scores (16 KiB in float) and of the output
 // accumulator stay in L1/L2 while the key tiles stream past.
 inline constexpr Index kStackedRows = 64;
-// From this many stacked query rows on, all key panels are packed once per call and reused by
-// every query tile; below it, each key tile is packed as it is visited (decode).
-inline constexpr Index kPackMinRows = 8;
 // Key positions per merge block (a multiple of every key tile). Blocks are folded separately
 // and merged in order, in every path: that is what a decode splits across threads.
 inline constexpr Index kBlockKeys = 1024;
-
-// K (n x d) -> panels of kTile keys, each d x kTile (key index fastest), zero-padded.
-template <class Scalar, Index kTile>
-void pack_key_panels(ConstRowsView<Scalar> keys, std::vector<Scalar>& panels) {
-  const Index tiles = (keys.rows + kTile - 1) / kTile;
-  const Index d = keys.cols;
-  panels.assign(static_cast<std::size_t>(tiles * d * kTile), Scalar(0));
-  for (Index t = 0; t < tiles; ++t) {
-    Scalar* panel = panels.data() + t * d * kTile;
-    const Index bk = std::min(kTile, keys.rows - t * kTile);
-    for (Index j = 0; j < bk; ++j) {
-      const Scalar* row = keys.row(t * kTile + j);
-      for (Index k = 0; k < d; ++k) panel[k * kTile + j] = row[k];
-    }
-  }
-}
 
 // The keys of one read on one axis: `pad` empty slots, the Nm memory rows, the Nl local rows.
 // pad = origin mod kBlockKeys, so slot x of one read and slot x of another hold the same
@@ -116,26 +97,30 @@ struct KeyAxis {
   }
 };
 
-// Packs key tile `tile` (slots [tile kTile, tile kTile + kTile)) into `panel` (d x kTile).
-template <class Scalar, class Ops>
-void pack_tile(const KeyAxis<Scalar>& axis, Index tile, Index d, Scalar* panel) {
-  constexpr Index kTile = Ops::kKeyTile;
-  const Scalar* rows[kTile];
-  for (Index j = 0; j < kTile; ++j) rows[j] = axis.key(tile * kTile + j);
-  Ops::pack_panel(rows, d, panel);
+// The key rows of tile `tile` (slots [tile kTile, tile kTile + kTile)). A slot past either end
+// holds no key: it gets another key of the tile, whose score no query sees (the mask sets it to
+// -inf), so the micro-kernel never branches. A visited tile always holds a key.
+template <class Scalar, Index kTile>
+void tile_keys(const KeyAxis<Scalar>& axis, Index tile, const Scalar* keys[kTile]) {
+  const Scalar* any = nullptr;
+  for (Index j = 0; j < kTile; ++j) {
+    keys[j] = axis.key(tile * kTile + j);
+    if (any == nullptr) any = keys[j];
+  }
+  for (Index j = 0; j < kTile; ++j)
+    if (keys[j] == nullptr) keys[j] = any;
 }
 
 // Per-thread tile state.
 template <class Scalar>
 struct TileBuffers {
-  std::vector<Scalar> q, scores, acc, panel;
+  std::vector<Scalar> q, scores, acc;
   std::vector<SoftmaxStats<Scalar>> stats;
 
   TileBuffers(Index rows, Index dk, Index dv, Index key_tile)
       : q(static_cast<std::size_t>(rows * dk)),
         scores(static_cast<std::size_t>(rows * key_tile)),
         acc(static_cast<std::size_t>(rows * dv)),
-        panel(static_cast<std::size_t>(dk * key_tile)),
         stats(static_cast<std::size_t>(rows)) {}
 
   void clear_state(Index rows, Index dv) {
@@ -144,7 +129,7 @@ struct TileBuffers {
   }
 };
 
-// Folds key tile `tile` of `axis` (its packed keys: `panel`) into the tile of stacked rows
+// Folds key tile `tile` of `axis` into the tile of stacked rows
 // [0, bq); stacked row r is at position p0 + r / heads. Cost: 2 bq kTile (dk + dv) flops + bq
 // kTile exps.
 //
@@ -154,9 +139,8 @@ struct TileBuffers {
 // -inf before the exponential, so they add exact zeros: a row's result does not depend on which
 // other rows share its tile.
 template <class Scalar, class Ops>
-void fold_key_tile(const KeyAxis<Scalar>& axis, Index tile, const Scalar* panel, Index p0,
-                   Index heads, Index bq, Index dk, Index dv, Scalar beta,
-                   TileBuffers<Scalar>& buf) {
+void fold_key_tile(const KeyAxis<Scalar>& axis, Index tile, Index p0, Index heads, Index bq,
+                   Index dk, Index dv, Scalar beta, TileBuffers<Scalar>& buf) {
   constexpr Index kTile = Ops::kKeyTile;
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   constexpr Scalar kMax = std::numeric_limits<Scalar>::max();
@@ -164,7 +148,9 @@ void fold_key_tile(const KeyAxis<Scalar>& axis, Index tile, const Scalar* panel,
   const Index mem_lo = std::max(k0, axis.memory_begin()) - k0;  // memory slots of the tile
   const Index mem_hi = std::max(std::min(k0 + kTile, axis.local_begin()) - k0, mem_lo);
   Scalar* s = buf.scores.data();
-  Ops::scores_packed(buf.q.data(), dk, bq, panel, dk, beta, s);
+  const Scalar* keys[kTile];
+  tile_keys<Scalar, kTile>(axis, tile, keys);
+  Ops::scores_rows(buf.q.data(), dk, bq, keys, dk, beta, s);
   for (Index r = 0; r < bq; ++r) {
     Scalar* row = s + r * kTile;
     const Index p = p0 + r / heads;
@@ -269,23 +255,6 @@ void read(const ConstRowsView<Scalar>* q, Index heads, const MemoryRows<Scalar>&
     return TileRange{first / kTile, last / kTile};
   };
 
-  // Packed panels of every tile some query sees, when enough queries reuse them (the calling
-  // thread's buffer, reused across calls; worker threads only read it).
-  TileRange all{0, -1};
-  for (Index t = 0; t < n_tiles; ++t) {
-    const TileRange r = key_range(t);
-    if (r.last < r.first) continue;
-    all = all.last < all.first ? r : TileRange{std::min(all.first, r.first), std::max(all.last, r.last)};
-  }
-  thread_local std::vector<Scalar> panel_store;
-  const bool prepacked = stacked >= kPackMinRows;
-  if (prepacked && all.last >= all.first) {
-    panel_store.resize(static_cast<std::size_t>((all.last - all.first + 1) * dk * kTile));
-    for (Index t = all.first; t <= all.last; ++t)
-      pack_tile<Scalar, Ops>(axis, t, dk, panel_store.data() + (t - all.first) * dk * kTile);
-  }
-  const Scalar* const panels = panel_store.data();
-
   auto load_queries = [&](Index tile, TileBuffers<Scalar>& buf) {
     const Index i0 = tile * positions_per_tile;
     const Index np = std::min(positions_per_tile, n_pos - i0);
@@ -298,17 +267,8 @@ void read(const ConstRowsView<Scalar>* q, Index heads, const MemoryRows<Scalar>&
     const Index i0 = tile * positions_per_tile;
     const Index bq = std::min(positions_per_tile, n_pos - i0) * heads;
     buf.clear_state(bq, dv);
-    for (Index t = first; t <= last; ++t) {
-      const Scalar* panel;
-      if (prepacked) {
-        panel = panels + (t - all.first) * dk * kTile;
-      } else {
-        pack_tile<Scalar, Ops>(axis, t, dk, buf.panel.data());
-        panel = buf.panel.data();
-      }
-      fold_key_tile<Scalar, Ops>(axis, t, panel, mask.query_offset + i0, heads, bq, dk, dv, beta,
-                                 buf);
-    }
+    for (Index t = first; t <= last; ++t)
+      fold_key_tile<Scalar, Ops>(axis, t, mask.query_offset + i0, heads, bq, dk, dv, beta, buf);
   };
   auto merge_rows = [&](Index bq, Scalar* acc, SoftmaxStats<Scalar>* stats, const Scalar* acc_b,
                         const SoftmaxStats<Scalar>* stats_b) {

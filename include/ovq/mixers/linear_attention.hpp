@@ -104,7 +104,7 @@ class LinearAttention
       if (heads > 0 || complete)
         kernels::feature_map_rows(options_.feature_map, state.pending_keys(), phi_k);
       if (heads > 0) {
-        kernels::read_detail::pack_key_panels<Scalar, Ops::kKeyTile>(
+        kernels::pack_key_panels<Scalar, Ops::kKeyTile>(
             {phi_k.data(), phi_k.rows(), dk, dk}, panels);
         kernels::linear_chunk_read<Scalar, Arch>(
             detail::slice_heads(q, heads, pos, len).data(), heads, offset, options_.feature_map,

@@ -2,19 +2,28 @@
 // The micro-kernels of the fused read, per architecture. The tile loop (kernels/read.hpp) is
 // written once; only these inner operations differ.
 //
-//   pack_panel     K^T panel (d x kKeyTile, key fastest) from kKeyTile key rows (null: zeros)
-//   scores_packed  S[i][j] = beta q_i . K[j]        q: bq x d (row-major), K^T panel: d x kKeyTile
+//   scores_rows    S[i][j] = beta q_i . K[j]        q: bq x d (row-major), K: kKeyTile key rows
 //   exp_sum        s[j] = exp(s[j] - m) over one score row (kKeyTile entries), returns sum_j s[j]
 //   accumulate     acc[i][:] += sum_j P[i][j] V[j][:]    P: bq x kKeyTile, V: bk x dv
+// and, for the GEMM-like users (the OVQ/VQ assignment, linear attention's chunk products), which
+// score many rows against the same keys:
+//   pack_panel     K^T panel (d x kKeyTile, key fastest) from kKeyTile key rows (null: zeros)
+//   scores_packed  S[i][j] = beta q_i . K[j]        K^T panel: d x kKeyTile
 //
-// Every score is one chain q_i[0] K[j][0] + q_i[1] K[j][1] + ... in order of the feature index,
-// whatever the number of query rows: a query's scores do not depend on what else is in its tile,
-// which is what makes a read independent of how the stream was cut into calls.
+// The read's scores (scores_rows) are each computed from q_i and K[j] alone, by the same
+// operations whatever the number of query rows and whichever block a score falls in: a query's
+// scores do not depend on what else is in its tile, which is what makes a read independent of
+// how the stream was cut into calls. Portable: one chain over the features in order. SIMD: W
+// lanes, lane l summing the features k = l (mod W) in order (fused), the lanes then added by one
+// fixed tree. The key rows are read in place: a decode step scores each key once, so there is
+// nothing to gain from packing them first. scores_packed is one chain per score in feature order
+// (bitwise the portable scores_rows).
 // TileOps<Scalar, arch::scalar> is plain C++ and always available. The SIMD versions (float,
 // AVX-512 and AVX2+FMA) share one register-blocked template over a small vector wrapper.
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "ovq/core/types.hpp"
 #include "ovq/kernels/arch/arch.hpp"
@@ -42,6 +51,23 @@ inline Scalar fused_multiply_add(Scalar a, Scalar b, Scalar c) {
 #endif
 }
 
+// For the users of scores_packed: K (n x d) -> panels of kTile keys, each d x kTile (key index
+// fastest), zero-padded. Cost: n d copies.
+template <class Scalar, Index kTile>
+void pack_key_panels(ConstRowsView<Scalar> keys, std::vector<Scalar>& panels) {
+  const Index tiles = (keys.rows + kTile - 1) / kTile;
+  const Index d = keys.cols;
+  panels.assign(static_cast<std::size_t>(tiles * d * kTile), Scalar(0));
+  for (Index t = 0; t < tiles; ++t) {
+    Scalar* panel = panels.data() + t * d * kTile;
+    const Index bk = std::min(kTile, keys.rows - t * kTile);
+    for (Index j = 0; j < bk; ++j) {
+      const Scalar* row = keys.row(t * kTile + j);
+      for (Index k = 0; k < d; ++k) panel[k * kTile + j] = row[k];
+    }
+  }
+}
+
 // ---- portable ----
 
 template <class Scalar>
@@ -61,6 +87,20 @@ struct TileOps<Scalar, arch::scalar> {
         for (Index j = 0; j < kKeyTile; ++j) row[j] = fused_multiply_add(a, p[j], row[j]);
       }
       for (Index j = 0; j < kKeyTile; ++j) row[j] *= beta;
+    }
+  }
+
+  // keys[j] (d entries each, all non-null). Cost: 2 bq kKeyTile d flops.
+  static void scores_rows(const Scalar* q, Index q_stride, Index bq, const Scalar* const* keys,
+                          Index d, Scalar beta, Scalar* s) {
+    for (Index i = 0; i < bq; ++i) {
+      const Scalar* qi = q + i * q_stride;
+      for (Index j = 0; j < kKeyTile; ++j) {
+        const Scalar* kj = keys[j];
+        Scalar dot = Scalar(0);
+        for (Index k = 0; k < d; ++k) dot = fused_multiply_add(qi[k], kj[k], dot);
+        s[i * kKeyTile + j] = dot * beta;
+      }
     }
   }
 
@@ -135,6 +175,16 @@ struct F32x16 {
     const __mmask16 keep = _mm512_cmp_ps_mask(x, set1(lo), _CMP_GE_OQ);
     return _mm512_maskz_mov_ps(keep, y);
   }
+  // p[0..n), 0 < n < 16, zeros above; reads nothing past p + n.
+  static reg load_first(const float* p, Index n) {
+    return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1u), p);
+  }
+  // Lane l + lane l + 8: the first step of the lane sum (then reduce8's tree).
+  static __m256 fold_to_8(reg a) {
+    const __m256 lo = _mm512_castps512_ps256(a);
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+    return _mm256_add_ps(lo, hi);
+  }
 };
 #endif
 
@@ -165,6 +215,13 @@ struct F32x8 {
   static reg zero_below(reg x, float lo, reg y) {
     return _mm256_and_ps(_mm256_cmp_ps(x, set1(lo), _CMP_GE_OQ), y);
   }
+  // p[0..n), 0 < n < 8, zeros above; reads nothing past p + n.
+  static reg load_first(const float* p, Index n) {
+    alignas(32) static constexpr int kMask[16] = {-1, -1, -1, -1, -1, -1, -1, -1,
+                                                  0,  0,  0,  0,  0,  0,  0,  0};
+    return _mm256_maskload_ps(p, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kMask + 8 - n)));
+  }
+  static __m256 fold_to_8(reg a) { return a; }
 };
 #endif
 
@@ -191,6 +248,27 @@ inline void transpose8x8(__m256 x[8]) {
   x[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
   x[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
   x[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+// The lane sums of eight 8-lane vectors, one per output lane: out[a] = ((x0 + x4) + (x2 + x6)) +
+// ((x1 + x5) + (x3 + x7)) for x = in[a]. Every output is this one tree, whichever position its
+// vector had among the eight (float addition is commutative, so each sum's operands are the
+// same pairs in every position).
+inline __m256 reduce8(const __m256 in[8]) {
+  auto halves = [](__m256 a, __m256 b) {  // [a0+a4 a1+a5 a2+a6 a3+a7 | b0+b4 ... b3+b7]
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+  };
+  const __m256 t0 = halves(in[0], in[1]), t1 = halves(in[2], in[3]);
+  const __m256 t2 = halves(in[4], in[5]), t3 = halves(in[6], in[7]);
+  // [(x0+x4)+(x2+x6), (x1+x5)+(x3+x7)] for in[0], in[2] | in[1], in[3] (and in[4..7])
+  const __m256 s0 = _mm256_add_ps(_mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 s1 = _mm256_add_ps(_mm256_shuffle_ps(t2, t3, _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm256_shuffle_ps(t2, t3, _MM_SHUFFLE(3, 2, 3, 2)));
+  // Sums of in[0], in[2], in[4], in[6] | in[1], in[3], in[5], in[7], then in order.
+  const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(s0, s1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm256_shuffle_ps(s0, s1, _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
 // exp(x) for x <= 0 (the only case a max-subtracted softmax needs): 2^n e^r with
@@ -244,6 +322,60 @@ struct SimdTileOps {
   }
 
   static constexpr int kScoreRows = W == 16 ? 6 : 2;
+
+  // R query rows x C keys (R C = 8 partial dot products, W lanes each), over all d features.
+  template <int R, int C>
+  static void dot_block(const float* q, Index q_stride, const float* const* keys, Index d,
+                        reg acc[8]) {
+    static_assert(R * C == 8, "one reduce8 per block");
+    for (int a = 0; a < 8; ++a) acc[a] = V::zero();
+    const Index d_main = d - d % W;
+    for (Index k = 0; k < d_main; k += W) {
+      reg qv[R];
+      for (int r = 0; r < R; ++r) qv[r] = V::load(q + r * q_stride + k);
+      for (int c = 0; c < C; ++c) {
+        const reg kv = V::load(keys[c] + k);
+        for (int r = 0; r < R; ++r) acc[r * C + c] = V::fmadd(qv[r], kv, acc[r * C + c]);
+      }
+    }
+    if (d_main < d) {  // the last d % W features, zeros above: adds exact zeros to lanes
+      reg qv[R];
+      for (int r = 0; r < R; ++r) qv[r] = V::load_first(q + r * q_stride + d_main, d - d_main);
+      for (int c = 0; c < C; ++c) {
+        const reg kv = V::load_first(keys[c] + d_main, d - d_main);
+        for (int r = 0; r < R; ++r) acc[r * C + c] = V::fmadd(qv[r], kv, acc[r * C + c]);
+      }
+    }
+  }
+
+  // The 8 scores of a block, scaled by beta: lane a is acc[a]'s lane sum.
+  static __m256 block_scores(const reg acc[8], float beta) {
+    __m256 folded[8];
+    for (int a = 0; a < 8; ++a) folded[a] = V::fold_to_8(acc[a]);
+    return _mm256_mul_ps(reduce8(folded), _mm256_set1_ps(beta));
+  }
+
+  // Pairs of rows in blocks of 2 x 4 keys, a last odd row in blocks of 1 x 8: the same lanes
+  // and the same tree for every score. Cost: 2 bq kKeyTile d flops.
+  static void scores_rows(const float* q, Index q_stride, Index bq, const float* const* keys,
+                          Index d, float beta, float* s) {
+    reg acc[8];
+    Index i = 0;
+    for (; i + 2 <= bq; i += 2) {
+      for (Index c = 0; c < kKeyTile; c += 4) {
+        dot_block<2, 4>(q + i * q_stride, q_stride, keys + c, d, acc);
+        const __m256 x = block_scores(acc, beta);
+        _mm_storeu_ps(s + i * kKeyTile + c, _mm256_castps256_ps128(x));
+        _mm_storeu_ps(s + (i + 1) * kKeyTile + c, _mm256_extractf128_ps(x, 1));
+      }
+    }
+    for (; i < bq; ++i) {
+      for (Index c = 0; c < kKeyTile; c += 8) {
+        dot_block<1, 8>(q + i * q_stride, q_stride, keys + c, d, acc);
+        _mm256_storeu_ps(s + i * kKeyTile + c, block_scores(acc, beta));
+      }
+    }
+  }
 
   static void scores_packed(const float* q, Index q_stride, Index bq, const float* panel,
                             Index d, float beta, float* s) {
@@ -307,6 +439,11 @@ struct SimdTileOps {
   static void accumulate_rows(const float* p, Index bk, const float* v, Index v_stride, Index dv,
                               float* acc, Index acc_stride) {
     Index c = 0;
+    // A single row (decode): 8 vectors at once, so that 8 independent FMA chains hide the
+    // latency (each column's chain is the same whatever the block width).
+    if constexpr (R == 1)
+      for (; c + 8 * W <= dv; c += 8 * W)
+        accumulate_block<1, 8>(p, bk, v + c, v_stride, acc + c, acc_stride);
     for (; c + 4 * W <= dv; c += 4 * W)
       accumulate_block<R, 4>(p, bk, v + c, v_stride, acc + c, acc_stride);
     for (; c + W <= dv; c += W) accumulate_block<R, 1>(p, bk, v + c, v_stride, acc + c, acc_stride);
