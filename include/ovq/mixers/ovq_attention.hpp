@@ -11,7 +11,7 @@
 
 #include "ovq/core/checks.hpp"
 #include "ovq/kernels/ovq_write.hpp"
-#include "ovq/kernels/read.hpp"
+#include "ovq/mixers/dictionary_read.hpp"
 #include "ovq/mixers/mixer_base.hpp"
 #include "ovq/state/ovq_state.hpp"
 #include "ovq/state/policies.hpp"
@@ -74,17 +74,13 @@ class OvqAttention : public MixerBase<OvqAttention<Scalar, Arch>, Scalar, OvqSta
       const Index len = std::min(chunk - offset, k.rows - pos);
       state.push_pending(k.middle_rows(pos, len), v.middle_rows(pos, len));
 
-      const Dictionary<Scalar>& dict = state.dictionary();
-      const kernels::MemoryRows<Scalar> memory{dict.keys(), dict.values(), dict.log_counts()};
-      const kernels::LocalRows<Scalar> local{state.pending_keys(), state.pending_values()};
-      const kernels::ReadMask mask{true, offset, 0};
-      kernels::read<Scalar, Arch>(detail::slice_heads(q, heads, pos, len).data(), heads, memory,
-                                  local, mask, beta,
-                                  detail::slice_heads(o, heads, pos, len).data());
+      detail::read_dictionary_and_chunk<Scalar, Arch>(state.dictionary(), state.pending_keys(),
+                                                      state.pending_values(), offset, q, heads,
+                                                      pos, len, beta, o);
 
       if (state.pending() == chunk) {
-        kernels::ovq_write_chunk<Scalar, Arch>(state.dictionary(), state.absorbed(), state.pending_keys(),
-                                 state.pending_values(), write);
+        kernels::ovq_write_chunk<Scalar, Arch>(state.dictionary(), state.absorbed(),
+                                               state.pending_keys(), state.pending_values(), write);
         state.complete_chunk();
       }
       pos += len;

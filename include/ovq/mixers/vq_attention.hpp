@@ -16,8 +16,8 @@
 
 #include "ovq/core/checks.hpp"
 #include "ovq/kernels/assign.hpp"
-#include "ovq/kernels/read.hpp"
 #include "ovq/kernels/update.hpp"
+#include "ovq/mixers/dictionary_read.hpp"
 #include "ovq/mixers/mixer_base.hpp"
 #include "ovq/state/vq_state.hpp"
 
@@ -75,13 +75,9 @@ class VqAttention : public MixerBase<VqAttention<Scalar, Arch>, Scalar, VqState<
                                             state.neg_half_norms(), best.data(), code.data());
       state.push_pending(code.data(), v.middle_rows(pos, len));
 
-      const Dictionary<Scalar>& dict = state.dictionary();
-      const kernels::MemoryRows<Scalar> memory{dict.keys(), dict.values(), dict.log_counts()};
-      const kernels::LocalRows<Scalar> local{state.pending_keys(), state.pending_values()};
-      const kernels::ReadMask mask{true, offset, 0};
-      kernels::read<Scalar, Arch>(detail::slice_heads(q, heads, pos, len).data(), heads, memory,
-                                  local, mask, beta,
-                                  detail::slice_heads(o, heads, pos, len).data());
+      detail::read_dictionary_and_chunk<Scalar, Arch>(state.dictionary(), state.pending_keys(),
+                                                      state.pending_values(), offset, q, heads,
+                                                      pos, len, beta, o);
 
       if (state.pending() == chunk) {
         Dictionary<Scalar>& d = state.dictionary();

@@ -1,0 +1,24 @@
+#pragma once
+// The read of the two dictionary mixers, VQ- and OVQ-attention: rows [pos, pos + len) of every
+// query head read the dictionary (memory rows, bias log count) and then the raw rows of the
+// current chunk, causally, the first of them at chunk position `offset`.
+#include "ovq/core/types.hpp"
+#include "ovq/kernels/read.hpp"
+#include "ovq/mixers/mixer_base.hpp"
+#include "ovq/state/dictionary.hpp"
+
+namespace ovq::detail {
+
+template <class Scalar, class Arch>
+void read_dictionary_and_chunk(const Dictionary<Scalar>& dict, ConstRowsView<Scalar> chunk_keys,
+                               ConstRowsView<Scalar> chunk_values, Index offset,
+                               const ConstRowsView<Scalar>* q, Index heads, Index pos, Index len,
+                               Scalar beta, const RowsView<Scalar>* o) {
+  const kernels::MemoryRows<Scalar> memory{dict.keys(), dict.values(), dict.log_counts()};
+  const kernels::LocalRows<Scalar> local{chunk_keys, chunk_values};
+  const kernels::ReadMask mask{true, offset, 0};
+  kernels::read<Scalar, Arch>(slice_heads(q, heads, pos, len).data(), heads, memory, local, mask,
+                              beta, slice_heads(o, heads, pos, len).data());
+}
+
+}  // namespace ovq::detail
