@@ -43,6 +43,7 @@ namespace {
 
 using namespace ovq;
 using fuzz::Input;
+using fuzz::tokens_to_boundary;
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 constexpr double kInf = std::numeric_limits<double>::infinity();
@@ -349,24 +350,6 @@ std::string describe(const OvqOptions& o) {
       " eta=", o.rate.eta, " renormalize=", o.renormalize);
 }
 
-// Tokens that complete the current chunk (self-attention keeps no partial chunk; linear, VQ
-// and OVQ states keep the rows of theirs pending).
-template <class State>
-Index tokens_to_boundary(const State&, Index chunk) {
-  return chunk;
-}
-template <class S>
-Index tokens_to_boundary(const LinearState<S>& state, Index chunk) {
-  return chunk - state.pending();
-}
-template <class S>
-Index tokens_to_boundary(const VqState<S>& state, Index chunk) {
-  return chunk - state.pending();
-}
-template <class S>
-Index tokens_to_boundary(const OvqState<S>& state, Index chunk) {
-  return chunk - state.pending();
-}
 
 Index pick_tokens(Input& in, Index chunk, Index to_boundary) {
   constexpr Index kMaxTokens = 130;
@@ -418,7 +401,8 @@ class SingleRun {
     const Index dk = state.key_dim(), dv = state.value_dim();
     const Op op = static_cast<Op>(in_.byte() % 4);
     const Index chunk = mixer_.options().chunk;
-    const Index t = op == kStep ? 1 : pick_tokens(in_, chunk, tokens_to_boundary(state, chunk));
+    const Index t =
+        op == kStep ? 1 : pick_tokens(in_, chunk, tokens_to_boundary(state, chunk, chunk));
     const int heads = op == kHeads ? 1 + in_.byte() % 3 : 1;
     const int bad = pick_bad();
 
@@ -594,7 +578,9 @@ class MultiRun {
     const Index dk = layer.key_dim(), dv = layer.value_dim();
     const Op op = static_cast<Op>(in_.byte() % 3);
     const Index chunk = layer.mixer().options().chunk;
-    const Index t = op == kStep ? 1 : pick_tokens(in_, chunk, tokens_to_boundary(layer.state(0, 0), chunk));
+    const Index t = op == kStep ? 1
+                                : pick_tokens(in_, chunk,
+                                              tokens_to_boundary(layer.state(0, 0), chunk, chunk));
     const int bad = in_.rarely(12) ? 1 + in_.byte() % 5 : 0;
     const Index q_rows = b * hq * t + (bad == 1), k_rows = b * hkv * t + (bad == 2);
     const Index v_rows = b * hkv * t + (bad == 3), k_cols = dk + (bad == 4);

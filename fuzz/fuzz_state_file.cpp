@@ -39,6 +39,7 @@ namespace {
 
 using namespace ovq;
 using Bytes = std::vector<std::uint8_t>;
+using fuzz::tokens_to_boundary;
 
 constexpr std::size_t kHeader = 36;
 
@@ -176,22 +177,6 @@ StateDims read_dims(Fields& f, const OvqAttention<S, A>*) {
 
 // ---- states ----
 
-template <class State>
-Index tokens_to_boundary(const State&, Index chunk) {
-  return std::min<Index>(chunk, 16);
-}
-template <class S>
-Index tokens_to_boundary(const LinearState<S>& state, Index chunk) {
-  return chunk - state.pending();
-}
-template <class S>
-Index tokens_to_boundary(const VqState<S>& state, Index chunk) {
-  return chunk - state.pending();
-}
-template <class S>
-Index tokens_to_boundary(const OvqState<S>& state, Index chunk) {
-  return chunk - state.pending();
-}
 
 // The format version in a file's header (the bytes are at least a header long when they decode).
 std::uint32_t file_version(const Bytes& file) {
@@ -241,7 +226,8 @@ void use_state(const Mixer& mixer, typename Mixer::State& state) {
   (void)state.tokens();
   (void)state.bytes();
   const Index dk = state.key_dim(), dv = state.value_dim();
-  const Index t = tokens_to_boundary(state, mixer.options().chunk);
+  const Index chunk = mixer.options().chunk;
+  const Index t = tokens_to_boundary(state, chunk, std::min<Index>(chunk, 16));
   if (t * (dk + dv) > (Index(1) << 18)) return;  // a legitimately large state: not worth the time
   const RowMatrix<S> q = small_values<S>(t, dk, 1), k = small_values<S>(t, dk, 2),
                      v = small_values<S>(t, dv, 3);
@@ -326,7 +312,8 @@ void check_multi(MultiHead<Mixer>& layer, const Bytes& file) {
   }
   for (auto& state : layer.states()) (void)state.tokens();
 
-  const Index t = tokens_to_boundary(layer.state(0, 0), layer.mixer().options().chunk);
+  const Index t = tokens_to_boundary(layer.state(0, 0), layer.mixer().options().chunk,
+                                     std::min<Index>(layer.mixer().options().chunk, 16));
   const Index rows_q = layer.batch() * layer.query_heads() * t;
   const Index rows_kv = layer.batch() * layer.kv_heads() * t;
   if (rows_q * (layer.key_dim() + layer.value_dim()) > (Index(1) << 18)) return;

@@ -10,10 +10,31 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 #include "ovq/core/error.hpp"
+#include "ovq/core/types.hpp"
 
 namespace ovq::fuzz {
+
+template <class State, class = void>
+struct keeps_pending_rows : std::false_type {};
+template <class State>
+struct keeps_pending_rows<State, std::void_t<decltype(std::declval<const State&>().pending())>>
+    : std::true_type {};
+
+// Tokens that complete the current chunk of a state that keeps its rows pending (linear, VQ and
+// OVQ attention); `otherwise` for one that keeps none (self-attention).
+template <class State>
+Index tokens_to_boundary(const State& state, Index chunk, Index otherwise) {
+  if constexpr (keeps_pending_rows<State>::value) {
+    return chunk - state.pending();
+  } else {
+    (void)state;
+    return otherwise;
+  }
+}
 
 [[noreturn]] inline void fail(const char* file, int line, const std::string& what) {
   std::fprintf(stderr, "%s:%d: fuzz finding: %s\n", file, line, what.c_str());

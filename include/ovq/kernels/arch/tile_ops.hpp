@@ -5,10 +5,9 @@
 //   scores_rows    S[i][j] = beta q_i . K[j]        q: bq x d (row-major), K: kKeyTile key rows
 //   exp_sum        s[j] = exp(s[j] - m) over one score row (kKeyTile entries), returns sum_j s[j]
 //   accumulate     acc[i][:] += sum_j P[i][j] V[j][:]    P: bq x kKeyTile, V: bk x dv
-// and, for the GEMM-like users (the OVQ/VQ assignment, linear attention's chunk products), which
-// score many rows against the same keys:
-//   pack_panel     K^T panel (d x kKeyTile, key fastest) from kKeyTile key rows (null: zeros)
-//   scores_packed  S[i][j] = beta q_i . K[j]        K^T panel: d x kKeyTile
+// and, for linear attention's chunk products, which score many rows against the same keys:
+//   scores_packed  S[i][j] = beta q_i . K[j]        K^T panel (d x kKeyTile, key fastest), from
+//                                                   pack_key_panels
 //
 // The read's scores (scores_rows) are each computed from q_i and K[j] alone, by the same
 // operations whatever the number of query rows and whichever block a score falls in: a query's
@@ -101,14 +100,6 @@ struct TileOps<Scalar, arch::scalar> {
         for (Index k = 0; k < d; ++k) dot = fused_multiply_add(qi[k], kj[k], dot);
         s[i * kKeyTile + j] = dot * beta;
       }
-    }
-  }
-
-  // rows[j] (d entries) becomes column j of the panel; a null row gives zeros. Cost: d kKeyTile.
-  static void pack_panel(const Scalar* const* rows, Index d, Scalar* panel) {
-    for (Index j = 0; j < kKeyTile; ++j) {
-      const Scalar* row = rows[j];
-      for (Index k = 0; k < d; ++k) panel[k * kKeyTile + j] = row != nullptr ? row[k] : Scalar(0);
     }
   }
 
@@ -224,31 +215,6 @@ struct F32x8 {
   static __m256 fold_to_8(reg a) { return a; }
 };
 #endif
-
-// x[i][c] -> x[c][i] for an 8 x 8 block of floats (AVX, so AVX-512 builds use it too).
-inline void transpose8x8(__m256 x[8]) {
-  const __m256 t0 = _mm256_unpacklo_ps(x[0], x[1]), t1 = _mm256_unpackhi_ps(x[0], x[1]);
-  const __m256 t2 = _mm256_unpacklo_ps(x[2], x[3]), t3 = _mm256_unpackhi_ps(x[2], x[3]);
-  const __m256 t4 = _mm256_unpacklo_ps(x[4], x[5]), t5 = _mm256_unpackhi_ps(x[4], x[5]);
-  const __m256 t6 = _mm256_unpacklo_ps(x[6], x[7]), t7 = _mm256_unpackhi_ps(x[6], x[7]);
-  // s_c holds columns c (low 128 bits: rows 0-3) and c + 4 (high: rows 0-3), rows 4-7 in s_c+4.
-  const __m256 s0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
-  const __m256 s1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
-  const __m256 s2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
-  const __m256 s3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
-  const __m256 s4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
-  const __m256 s5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
-  const __m256 s6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
-  const __m256 s7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
-  x[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
-  x[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
-  x[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
-  x[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
-  x[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
-  x[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
-  x[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
-  x[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
-}
 
 // The lane sums of eight 8-lane vectors, one per output lane: out[a] = ((x0 + x4) + (x2 + x6)) +
 // ((x1 + x5) + (x3 + x7)) for x = in[a]. Every output is this one tree, whichever position its
@@ -383,24 +349,6 @@ struct SimdTileOps {
     for (; i + kScoreRows <= bq; i += kScoreRows)
       scores_block<kScoreRows>(q + i * q_stride, q_stride, panel, d, beta, s + i * kKeyTile);
     for (; i < bq; ++i) scores_block<1>(q + i * q_stride, q_stride, panel, d, beta, s + i * kKeyTile);
-  }
-
-  // rows[j] (d floats) becomes column j of the panel, a null row zeros: 8 x 8 blocks transposed
-  // in registers (the panel of a key tile costs about as much as reading its keys once).
-  static void pack_panel(const float* const* rows, Index d, float* panel) {
-    const Index d_main = d - d % 8;
-    for (Index g = 0; g < kKeyTile; g += 8) {
-      const float* const* r = rows + g;
-      for (Index k = 0; k < d_main; k += 8) {
-        __m256 x[8];
-        for (int i = 0; i < 8; ++i)
-          x[i] = r[i] != nullptr ? _mm256_loadu_ps(r[i] + k) : _mm256_setzero_ps();
-        transpose8x8(x);
-        for (int i = 0; i < 8; ++i) _mm256_storeu_ps(panel + (k + i) * kKeyTile + g, x[i]);
-      }
-      for (Index k = d_main; k < d; ++k)
-        for (int i = 0; i < 8; ++i) panel[k * kKeyTile + g + i] = r[i] != nullptr ? r[i][k] : 0.0f;
-    }
   }
 
   static float exp_sum(float* s, float m) {
