@@ -1,6 +1,7 @@
 // The optimised kernels against the portable ones, scalar and native architecture in the same
 // binary, and both against plain double formulas.
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -273,6 +274,63 @@ TEMPLATE_TEST_CASE("read kernel: a row's scores do not depend on the rows scored
     check_scores_rows<TestType, arch::avx2>(d, 80 + static_cast<std::uint64_t>(d));
 #endif
   }
+}
+
+// The softmax bookkeeping of one score row: the SIMD mask_max and scale against the portable
+// ones, bit for bit, on every visible range and on scores that overflowed (+-inf) or are NaN.
+template <class Arch>
+void check_row_bookkeeping() {
+  using Ops = kernels::TileOps<float, Arch>;
+  using Portable = kernels::TileOps<float, arch::scalar>;
+  constexpr Index kTile = Ops::kKeyTile;
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  const auto noise = random_matrix<float>(1, kTile, 91, 3.0);
+  std::vector<float> scores(noise.data(), noise.data() + kTile);
+  scores[1] = kInf;
+  scores[2] = -kInf;
+  scores[kTile / 2] = std::numeric_limits<float>::quiet_NaN();
+  scores[kTile - 1] = 1e30f;
+  Index differ = 0, wrong_max = 0;
+  for (Index lo = 0; lo <= kTile; ++lo) {
+    for (Index hi = lo; hi <= kTile; ++hi) {
+      std::vector<float> simd = scores, portable = scores;
+      const float got = Ops::mask_max(simd.data(), lo, hi);
+      // The portable kernel's tile may be longer: the slots past kTile are not visible.
+      portable.resize(static_cast<std::size_t>(Portable::kKeyTile), 0.0f);
+      const float want = Portable::mask_max(portable.data(), lo, hi);
+      wrong_max += !(got == want);
+      for (Index j = 0; j < kTile; ++j)
+        differ += std::memcmp(&simd[static_cast<std::size_t>(j)],
+                              &portable[static_cast<std::size_t>(j)], sizeof(float)) != 0;
+    }
+  }
+  INFO(Arch::kName);
+  CHECK(differ == 0);
+  CHECK(wrong_max == 0);
+  // The visible slots are finite (NaN and -inf saturate to -max, +inf to +max), the rest -inf.
+  std::vector<float> row = scores;
+  CHECK(Ops::mask_max(row.data(), 1, kTile) == std::numeric_limits<float>::max());
+  CHECK(row[0] == -kInf);
+  CHECK(row[2] == -std::numeric_limits<float>::max());
+  CHECK(row[static_cast<std::size_t>(kTile / 2)] == -std::numeric_limits<float>::max());
+  CHECK(Ops::mask_max(row.data(), 3, 3) == -kInf);
+  for (Index n : {Index(1), Index(7), Index(8), Index(13), Index(16), Index(67), Index(128)}) {
+    std::vector<float> x(noise.data(), noise.data() + std::min(n, kTile));
+    x.resize(static_cast<std::size_t>(n), 2.5f);
+    std::vector<float> y = x;
+    Ops::scale(x.data(), n, 0.37f);
+    Portable::scale(y.data(), n, 0.37f);
+    CAPTURE(n);
+    CHECK(x == y);
+  }
+}
+
+TEST_CASE("read kernel: masking, saturation and rescaling of a score row == portable",
+          "[kernels][read]") {
+  check_row_bookkeeping<arch::native>();
+#if defined(OVQ_ARCH_AVX2)
+  check_row_bookkeeping<arch::avx2>();
+#endif
 }
 
 TEMPLATE_TEST_CASE("read kernel: a long decode split across threads == the prefill's rows",

@@ -143,7 +143,6 @@ void fold_key_tile(const KeyAxis<Scalar>& axis, Index tile, Index p0, Index head
                    Index dk, Index dv, Scalar beta, TileBuffers<Scalar>& buf) {
   constexpr Index kTile = Ops::kKeyTile;
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
-  constexpr Scalar kMax = std::numeric_limits<Scalar>::max();
   const Index k0 = tile * kTile;
   const Index mem_lo = std::max(k0, axis.memory_begin()) - k0;  // memory slots of the tile
   const Index mem_hi = std::max(std::min(k0 + kTile, axis.local_begin()) - k0, mem_lo);
@@ -156,19 +155,10 @@ void fold_key_tile(const KeyAxis<Scalar>& axis, Index tile, Index p0, Index head
     const Index p = p0 + r / heads;
     const Index lo = std::clamp<Index>(axis.first(p) - k0, 0, kTile);
     const Index hi = std::clamp<Index>(axis.last(p) - k0 + 1, lo, kTile);  // exclusive
-    std::fill(row, row + lo, kNegInf);
-    std::fill(row + hi, row + kTile, kNegInf);
     if (axis.memory.bias != nullptr)
       for (Index j = std::max(lo, mem_lo); j < std::min(hi, mem_hi); ++j)
         row[j] += axis.memory.bias[k0 + j - axis.pad];
-    Scalar tile_max = kNegInf;
-    for (Index j = lo; j < hi; ++j) {
-      Scalar x = row[j];
-      if (!(x >= -kMax)) x = -kMax;  // -inf from overflow, or NaN
-      if (x > kMax) x = kMax;
-      row[j] = x;
-      tile_max = std::max(tile_max, x);
-    }
+    const Scalar tile_max = Ops::mask_max(row, lo, hi);
     SoftmaxStats<Scalar>& st = buf.stats[static_cast<std::size_t>(r)];
     const Scalar m_new = std::max(st.m, tile_max);
     if (m_new == kNegInf) {  // nothing visible so far: this tile adds nothing to row r
@@ -188,10 +178,10 @@ void fold_key_tile(const KeyAxis<Scalar>& axis, Index tile, Index p0, Index head
       if (keep == Scalar(0)) {
         std::fill(acc, acc + dv, Scalar(0));
       } else {
-        for (Index c = 0; c < dv; ++c) acc[c] *= keep;
+        Ops::scale(acc, dv, keep);
       }
     }
-    for (Index j = 0; j < kTile; ++j) row[j] *= inv;
+    Ops::scale(row, kTile, inv);
     st.l = l_new;
     st.m = m_new;
   }

@@ -3,7 +3,10 @@
 // written once; only these inner operations differ.
 //
 //   scores_rows    S[i][j] = beta q_i . K[j]        q: bq x d (row-major), K: kKeyTile key rows
+//   mask_max       one score row: slots outside [lo, hi) -> -inf, visible ones saturated to the
+//                  finite range (NaN -> -max), returns the largest visible score
 //   exp_sum        s[j] = exp(s[j] - m) over one score row (kKeyTile entries), returns sum_j s[j]
+//   scale          x[c] *= f over n entries (exact: each product rounds once, in any order)
 //   accumulate     acc[i][:] += sum_j P[i][j] V[j][:]    P: bq x kKeyTile, V: bk x dv
 // and, for linear attention's chunk products, which score many rows against the same keys:
 //   scores_packed  S[i][j] = beta q_i . K[j]        K^T panel (d x kKeyTile, key fastest), from
@@ -103,6 +106,24 @@ struct TileOps<Scalar, arch::scalar> {
     }
   }
 
+  static Scalar mask_max(Scalar* s, Index lo, Index hi) {
+    constexpr Scalar kMax = std::numeric_limits<Scalar>::max();
+    Scalar largest = -std::numeric_limits<Scalar>::infinity();
+    for (Index j = 0; j < kKeyTile; ++j) {
+      Scalar x = s[j];
+      if (!(x >= -kMax)) x = -kMax;  // -inf from overflow, or NaN
+      if (x > kMax) x = kMax;
+      if (j < lo || j >= hi) x = -std::numeric_limits<Scalar>::infinity();
+      s[j] = x;
+      largest = std::max(largest, x);
+    }
+    return largest;
+  }
+
+  static void scale(Scalar* x, Index n, Scalar f) {
+    for (Index c = 0; c < n; ++c) x[c] *= f;
+  }
+
   static Scalar exp_sum(Scalar* s, Scalar m) {
     Scalar sum = Scalar(0);
     for (Index j = 0; j < kKeyTile; ++j) {
@@ -152,6 +173,17 @@ struct F32x16 {
   static reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
   static reg sub(reg a, reg b) { return _mm512_sub_ps(a, b); }
   static reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
+  static reg min(reg a, reg b) { return _mm512_min_ps(a, b); }
+  static float reduce_max(reg a) { return _mm512_reduce_max_ps(a); }
+  // 0, 1, ..., 15
+  static reg iota() {
+    return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  }
+  // lo <= i < hi ? x : other
+  static reg select_between(reg i, reg lo, reg hi, reg x, reg other) {
+    const __mmask16 in = _mm512_cmp_ps_mask(i, lo, _CMP_GE_OQ) & _mm512_cmp_ps_mask(i, hi, _CMP_LT_OQ);
+    return _mm512_mask_blend_ps(in, other, x);
+  }
   static float reduce_add(reg a) { return _mm512_reduce_add_ps(a); }
   static reg round(reg a) {
     return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -192,6 +224,18 @@ struct F32x8 {
   static reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
   static reg sub(reg a, reg b) { return _mm256_sub_ps(a, b); }
   static reg max(reg a, reg b) { return _mm256_max_ps(a, b); }
+  static reg min(reg a, reg b) { return _mm256_min_ps(a, b); }
+  static float reduce_max(reg a) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+  }
+  static reg iota() { return _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7); }
+  static reg select_between(reg i, reg lo, reg hi, reg x, reg other) {
+    const reg in = _mm256_and_ps(_mm256_cmp_ps(i, lo, _CMP_GE_OQ), _mm256_cmp_ps(i, hi, _CMP_LT_OQ));
+    return _mm256_blendv_ps(other, x, in);
+  }
   static float reduce_add(reg a) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -268,12 +312,15 @@ struct SimdTileOps {
   static void scores_block(const float* q, Index q_stride, const float* panel, Index d,
                            float beta, float* s) {
     reg acc[R][4];
+    OVQ_UNROLL
     for (int i = 0; i < R; ++i)
+      OVQ_UNROLL
       for (int c = 0; c < 4; ++c) acc[i][c] = V::zero();
     for (Index k = 0; k < d; ++k) {
       const float* p = panel + k * kKeyTile;
       const reg k0 = V::load(p), k1 = V::load(p + W), k2 = V::load(p + 2 * W),
                 k3 = V::load(p + 3 * W);
+      OVQ_UNROLL
       for (int i = 0; i < R; ++i) {
         const reg a = V::set1(q[i * q_stride + k]);
         acc[i][0] = V::fmadd(a, k0, acc[i][0]);
@@ -283,40 +330,54 @@ struct SimdTileOps {
       }
     }
     const reg b = V::set1(beta);
+    OVQ_UNROLL
     for (int i = 0; i < R; ++i)
+      OVQ_UNROLL
       for (int c = 0; c < 4; ++c) V::store(s + i * kKeyTile + c * W, V::mul(acc[i][c], b));
   }
 
   static constexpr int kScoreRows = W == 16 ? 6 : 2;
 
-  // R query rows x C keys (R C = 8 partial dot products, W lanes each), over all d features.
+  // The 8 scores of R query rows x C keys (R C = 8), scaled by beta: lane r C + c is
+  // beta q_r . K[c]. Each is a W-lane partial dot product over all d features, its lanes then
+  // added by reduce8's tree. Cost: 16 d flops.
+  // The accumulators and key pointers are locals (not the caller's arrays): nothing the loop
+  // reads can alias them, so they stay in registers even where this is not inlined.
   template <int R, int C>
-  static void dot_block(const float* q, Index q_stride, const float* const* keys, Index d,
-                        reg acc[8]) {
+  static __m256 block_scores(const float* q, Index q_stride, const float* const* keys, Index d,
+                             float beta) {
     static_assert(R * C == 8, "one reduce8 per block");
+    const float* key[C];
+    OVQ_UNROLL
+    for (int c = 0; c < C; ++c) key[c] = keys[c];
+    reg acc[8];
+    OVQ_UNROLL
     for (int a = 0; a < 8; ++a) acc[a] = V::zero();
     const Index d_main = d - d % W;
     for (Index k = 0; k < d_main; k += W) {
       reg qv[R];
+      OVQ_UNROLL
       for (int r = 0; r < R; ++r) qv[r] = V::load(q + r * q_stride + k);
+      OVQ_UNROLL
       for (int c = 0; c < C; ++c) {
-        const reg kv = V::load(keys[c] + k);
+        const reg kv = V::load(key[c] + k);
+        OVQ_UNROLL
         for (int r = 0; r < R; ++r) acc[r * C + c] = V::fmadd(qv[r], kv, acc[r * C + c]);
       }
     }
     if (d_main < d) {  // the last d % W features, zeros above: adds exact zeros to lanes
       reg qv[R];
+      OVQ_UNROLL
       for (int r = 0; r < R; ++r) qv[r] = V::load_first(q + r * q_stride + d_main, d - d_main);
+      OVQ_UNROLL
       for (int c = 0; c < C; ++c) {
-        const reg kv = V::load_first(keys[c] + d_main, d - d_main);
+        const reg kv = V::load_first(key[c] + d_main, d - d_main);
+        OVQ_UNROLL
         for (int r = 0; r < R; ++r) acc[r * C + c] = V::fmadd(qv[r], kv, acc[r * C + c]);
       }
     }
-  }
-
-  // The 8 scores of a block, scaled by beta: lane a is acc[a]'s lane sum.
-  static __m256 block_scores(const reg acc[8], float beta) {
     __m256 folded[8];
+    OVQ_UNROLL
     for (int a = 0; a < 8; ++a) folded[a] = V::fold_to_8(acc[a]);
     return _mm256_mul_ps(reduce8(folded), _mm256_set1_ps(beta));
   }
@@ -325,22 +386,18 @@ struct SimdTileOps {
   // and the same tree for every score. Cost: 2 bq kKeyTile d flops.
   static void scores_rows(const float* q, Index q_stride, Index bq, const float* const* keys,
                           Index d, float beta, float* s) {
-    reg acc[8];
     Index i = 0;
     for (; i + 2 <= bq; i += 2) {
       for (Index c = 0; c < kKeyTile; c += 4) {
-        dot_block<2, 4>(q + i * q_stride, q_stride, keys + c, d, acc);
-        const __m256 x = block_scores(acc, beta);
+        const __m256 x = block_scores<2, 4>(q + i * q_stride, q_stride, keys + c, d, beta);
         _mm_storeu_ps(s + i * kKeyTile + c, _mm256_castps256_ps128(x));
         _mm_storeu_ps(s + (i + 1) * kKeyTile + c, _mm256_extractf128_ps(x, 1));
       }
     }
-    for (; i < bq; ++i) {
-      for (Index c = 0; c < kKeyTile; c += 8) {
-        dot_block<1, 8>(q + i * q_stride, q_stride, keys + c, d, acc);
-        _mm256_storeu_ps(s + i * kKeyTile + c, block_scores(acc, beta));
-      }
-    }
+    for (; i < bq; ++i)
+      for (Index c = 0; c < kKeyTile; c += 8)
+        _mm256_storeu_ps(s + i * kKeyTile + c,
+                         block_scores<1, 8>(q + i * q_stride, q_stride, keys + c, d, beta));
   }
 
   static void scores_packed(const float* q, Index q_stride, Index bq, const float* panel,
@@ -349,6 +406,33 @@ struct SimdTileOps {
     for (; i + kScoreRows <= bq; i += kScoreRows)
       scores_block<kScoreRows>(q + i * q_stride, q_stride, panel, d, beta, s + i * kKeyTile);
     for (; i < bq; ++i) scores_block<1>(q + i * q_stride, q_stride, panel, d, beta, s + i * kKeyTile);
+  }
+
+  // Slot indices are compared as floats (exact: kKeyTile is far below 2^24).
+  static float mask_max(float* s, Index lo, Index hi) {
+    const reg lo_v = V::set1(static_cast<float>(lo)), hi_v = V::set1(static_cast<float>(hi));
+    const reg neg_inf = V::set1(-std::numeric_limits<float>::infinity());
+    const reg lowest = V::set1(-std::numeric_limits<float>::max());
+    const reg highest = V::set1(std::numeric_limits<float>::max());
+    reg slot = V::iota();
+    reg largest = neg_inf;
+    OVQ_UNROLL
+    for (Index j = 0; j < kKeyTile; j += W) {
+      // max(x, lowest) is `lowest` for a NaN x (the second operand wins), as in the portable code.
+      const reg x = V::min(V::max(V::load(s + j), lowest), highest);
+      const reg kept = V::select_between(slot, lo_v, hi_v, x, neg_inf);
+      V::store(s + j, kept);
+      largest = V::max(largest, kept);
+      slot = V::add(slot, V::set1(static_cast<float>(W)));
+    }
+    return V::reduce_max(largest);
+  }
+
+  static void scale(float* x, Index n, float f) {
+    const reg fv = V::set1(f);
+    const Index n_main = n - n % W;
+    for (Index c = 0; c < n_main; c += W) V::store(x + c, V::mul(V::load(x + c), fv));
+    for (Index c = n_main; c < n; ++c) x[c] *= f;
   }
 
   static float exp_sum(float* s, float m) {
@@ -367,17 +451,24 @@ struct SimdTileOps {
   static void accumulate_block(const float* p, Index bk, const float* v, Index v_stride,
                                float* acc, Index acc_stride) {
     reg a[R][C];
+    OVQ_UNROLL
     for (int i = 0; i < R; ++i)
+      OVQ_UNROLL
       for (int c = 0; c < C; ++c) a[i][c] = V::load(acc + i * acc_stride + c * W);
     for (Index j = 0; j < bk; ++j) {
       reg vv[C];
+      OVQ_UNROLL
       for (int c = 0; c < C; ++c) vv[c] = V::load(v + j * v_stride + c * W);
+      OVQ_UNROLL
       for (int i = 0; i < R; ++i) {
         const reg w = V::set1(p[i * kKeyTile + j]);
+        OVQ_UNROLL
         for (int c = 0; c < C; ++c) a[i][c] = V::fmadd(w, vv[c], a[i][c]);
       }
     }
+    OVQ_UNROLL
     for (int i = 0; i < R; ++i)
+      OVQ_UNROLL
       for (int c = 0; c < C; ++c) V::store(acc + i * acc_stride + c * W, a[i][c]);
   }
 
@@ -396,6 +487,7 @@ struct SimdTileOps {
       accumulate_block<R, 4>(p, bk, v + c, v_stride, acc + c, acc_stride);
     for (; c + W <= dv; c += W) accumulate_block<R, 1>(p, bk, v + c, v_stride, acc + c, acc_stride);
     for (; c < dv; ++c) {  // columns past the last full vector: the same chain as the vectors
+      OVQ_UNROLL
       for (int i = 0; i < R; ++i) {
         float a = acc[i * acc_stride + c];
         for (Index j = 0; j < bk; ++j) a = fused_multiply_add(p[i * kKeyTile + j], v[j * v_stride + c], a);
