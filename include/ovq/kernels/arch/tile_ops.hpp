@@ -338,58 +338,86 @@ struct SimdTileOps {
 
   static constexpr int kScoreRows = W == 16 ? 6 : 2;
 
-  // The 8 scores of R query rows x C keys (R C = 8), scaled by beta: lane r C + c is
-  // beta q_r . K[c]. Each is a W-lane partial dot product over all d features, its lanes then
-  // added by reduce8's tree. Cost: 16 d flops.
-  // The accumulators and key pointers are locals (not the caller's arrays): nothing the loop
-  // reads can alias them, so they stay in registers even where this is not inlined.
+  // The R C partial dot products of R query rows x C keys, W lanes each: lane l of product
+  // r C + c sums q_r[k] K[c][k] over the features k = l (mod W), in order (fused). Cost 2 R C d
+  // flops. Returned by value: the accumulators are locals that nothing the loop reads can
+  // alias, so they stay in registers even where this is not inlined.
+  template <int N>
+  struct Products {
+    reg at[N];
+  };
+
   template <int R, int C>
-  static __m256 block_scores(const float* q, Index q_stride, const float* const* keys, Index d,
-                             float beta) {
-    static_assert(R * C == 8, "one reduce8 per block");
+  static Products<R * C> dot_products(const float* q, Index q_stride,
+                                             const float* const* keys, Index d) {
     const float* key[C];
     OVQ_UNROLL
     for (int c = 0; c < C; ++c) key[c] = keys[c];
-    reg acc[8];
+    Products<R * C> products;
+    reg* acc = products.at;
     OVQ_UNROLL
-    for (int a = 0; a < 8; ++a) acc[a] = V::zero();
+    for (int a = 0; a < R * C; ++a) acc[a] = V::zero();
     const Index d_main = d - d % W;
     for (Index k = 0; k < d_main; k += W) {
-      reg qv[R];
+      reg kv[C];
       OVQ_UNROLL
-      for (int r = 0; r < R; ++r) qv[r] = V::load(q + r * q_stride + k);
+      for (int c = 0; c < C; ++c) kv[c] = V::load(key[c] + k);
       OVQ_UNROLL
-      for (int c = 0; c < C; ++c) {
-        const reg kv = V::load(key[c] + k);
+      for (int r = 0; r < R; ++r) {
+        const reg qv = V::load(q + r * q_stride + k);
         OVQ_UNROLL
-        for (int r = 0; r < R; ++r) acc[r * C + c] = V::fmadd(qv[r], kv, acc[r * C + c]);
+        for (int c = 0; c < C; ++c) acc[r * C + c] = V::fmadd(qv, kv[c], acc[r * C + c]);
       }
     }
     if (d_main < d) {  // the last d % W features, zeros above: adds exact zeros to lanes
-      reg qv[R];
+      reg kv[C];
       OVQ_UNROLL
-      for (int r = 0; r < R; ++r) qv[r] = V::load_first(q + r * q_stride + d_main, d - d_main);
+      for (int c = 0; c < C; ++c) kv[c] = V::load_first(key[c] + d_main, d - d_main);
       OVQ_UNROLL
-      for (int c = 0; c < C; ++c) {
-        const reg kv = V::load_first(key[c] + d_main, d - d_main);
+      for (int r = 0; r < R; ++r) {
+        const reg qv = V::load_first(q + r * q_stride + d_main, d - d_main);
         OVQ_UNROLL
-        for (int r = 0; r < R; ++r) acc[r * C + c] = V::fmadd(qv[r], kv, acc[r * C + c]);
+        for (int c = 0; c < C; ++c) acc[r * C + c] = V::fmadd(qv, kv[c], acc[r * C + c]);
       }
     }
+    return products;
+  }
+
+  // Scores 8 a, ..., 8 a + 7 of a block, scaled by beta, from its products (a group past the
+  // last product repeats the previous ones, whose sums are then not used): lane x is product
+  // 8 a + x's lane sum by reduce8's tree.
+  template <int N>
+  static __m256 reduce_group(const Products<N>& products, int a, float beta) {
     __m256 folded[8];
     OVQ_UNROLL
-    for (int a = 0; a < 8; ++a) folded[a] = V::fold_to_8(acc[a]);
+    for (int x = 0; x < 8; ++x) folded[x] = V::fold_to_8(products.at[(8 * a + x) % N]);
     return _mm256_mul_ps(reduce8(folded), _mm256_set1_ps(beta));
   }
 
-  // Pairs of rows in blocks of 2 x 4 keys, a last odd row in blocks of 1 x 8: the same lanes
-  // and the same tree for every score. Cost: 2 bq kKeyTile d flops.
+  // Rows in blocks of 6 x 2 keys, then pairs in blocks of 2 x 4, a last odd row in blocks of
+  // 1 x 8: the same lanes and the same tree for every score, whatever its block. Six rows give 12
+  // independent FMA chains (2 keys + 1 query row + 12 accumulators fit AVX2's 16 registers),
+  // enough to fill both FMA pipes, where 8 chains leave them idle part of the time.
+  // Cost: 2 bq kKeyTile d flops.
   static void scores_rows(const float* q, Index q_stride, Index bq, const float* const* keys,
                           Index d, float beta, float* s) {
     Index i = 0;
+    for (; i + 6 <= bq; i += 6) {
+      for (Index c = 0; c < kKeyTile; c += 2) {
+        const auto acc = dot_products<6, 2>(q + i * q_stride, q_stride, keys + c, d);
+        alignas(32) float x[16];  // x[2 r + j]: row i + r, key c + j
+        _mm256_store_ps(x, reduce_group(acc, 0, beta));
+        _mm256_store_ps(x + 8, reduce_group(acc, 1, beta));
+        OVQ_UNROLL
+        for (int r = 0; r < 6; ++r) {
+          s[(i + r) * kKeyTile + c] = x[2 * r];
+          s[(i + r) * kKeyTile + c + 1] = x[2 * r + 1];
+        }
+      }
+    }
     for (; i + 2 <= bq; i += 2) {
       for (Index c = 0; c < kKeyTile; c += 4) {
-        const __m256 x = block_scores<2, 4>(q + i * q_stride, q_stride, keys + c, d, beta);
+        const __m256 x = reduce_group(dot_products<2, 4>(q + i * q_stride, q_stride, keys + c, d), 0, beta);
         _mm_storeu_ps(s + i * kKeyTile + c, _mm256_castps256_ps128(x));
         _mm_storeu_ps(s + (i + 1) * kKeyTile + c, _mm256_extractf128_ps(x, 1));
       }
@@ -397,7 +425,7 @@ struct SimdTileOps {
     for (; i < bq; ++i)
       for (Index c = 0; c < kKeyTile; c += 8)
         _mm256_storeu_ps(s + i * kKeyTile + c,
-                         block_scores<1, 8>(q + i * q_stride, q_stride, keys + c, d, beta));
+                         reduce_group(dot_products<1, 8>(q + i * q_stride, q_stride, keys + c, d), 0, beta));
   }
 
   static void scores_packed(const float* q, Index q_stride, Index bq, const float* panel,
@@ -472,19 +500,25 @@ struct SimdTileOps {
       for (int c = 0; c < C; ++c) V::store(acc + i * acc_stride + c * W, a[i][c]);
   }
 
-  static constexpr int kAccRows = W == 16 ? 4 : 2;
+  // Rows per block: 6 x 2 vectors on AVX2 (12 chains, + 2 values + 1 weight in 16 registers),
+  // 4 x 4 on AVX-512 (16 chains of its 32 registers); then pairs, then single rows.
+  static constexpr int kAccRows = W == 16 ? 4 : 6;
+  // Vectors of acc per block for R rows: as many independent FMA chains as the registers hold
+  // (each column's chain is the same whatever the block width, so any split gives the same bits).
+  static constexpr int accumulate_columns(int rows) {
+    return rows == 1 ? 8 : rows * 4 > 16 ? 2 : 4;
+  }
 
   template <int R>
   static void accumulate_rows(const float* p, Index bk, const float* v, Index v_stride, Index dv,
                               float* acc, Index acc_stride) {
+    constexpr int kCols = accumulate_columns(R);
     Index c = 0;
-    // A single row (decode): 8 vectors at once, so that 8 independent FMA chains hide the
-    // latency (each column's chain is the same whatever the block width).
-    if constexpr (R == 1)
-      for (; c + 8 * W <= dv; c += 8 * W)
-        accumulate_block<1, 8>(p, bk, v + c, v_stride, acc + c, acc_stride);
-    for (; c + 4 * W <= dv; c += 4 * W)
-      accumulate_block<R, 4>(p, bk, v + c, v_stride, acc + c, acc_stride);
+    for (; c + kCols * W <= dv; c += kCols * W)
+      accumulate_block<R, kCols>(p, bk, v + c, v_stride, acc + c, acc_stride);
+    if constexpr (kCols > 4)
+      for (; c + 4 * W <= dv; c += 4 * W)
+        accumulate_block<R, 4>(p, bk, v + c, v_stride, acc + c, acc_stride);
     for (; c + W <= dv; c += W) accumulate_block<R, 1>(p, bk, v + c, v_stride, acc + c, acc_stride);
     for (; c < dv; ++c) {  // columns past the last full vector: the same chain as the vectors
       OVQ_UNROLL
@@ -502,6 +536,8 @@ struct SimdTileOps {
     for (; i + kAccRows <= bq; i += kAccRows)
       accumulate_rows<kAccRows>(p + i * kKeyTile, bk, v, v_stride, dv, acc + i * acc_stride,
                                 acc_stride);
+    for (; i + 2 <= bq; i += 2)
+      accumulate_rows<2>(p + i * kKeyTile, bk, v, v_stride, dv, acc + i * acc_stride, acc_stride);
     for (; i < bq; ++i)
       accumulate_rows<1>(p + i * kKeyTile, bk, v, v_stride, dv, acc + i * acc_stride, acc_stride);
   }
