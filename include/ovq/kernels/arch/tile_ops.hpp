@@ -181,7 +181,8 @@ struct F32x16 {
   }
   // lo <= i < hi ? x : other
   static reg select_between(reg i, reg lo, reg hi, reg x, reg other) {
-    const __mmask16 in = _mm512_cmp_ps_mask(i, lo, _CMP_GE_OQ) & _mm512_cmp_ps_mask(i, hi, _CMP_LT_OQ);
+    const __mmask16 in =
+        _mm512_cmp_ps_mask(i, lo, _CMP_GE_OQ) & _mm512_cmp_ps_mask(i, hi, _CMP_LT_OQ);
     return _mm512_mask_blend_ps(in, other, x);
   }
   static float reduce_add(reg a) { return _mm512_reduce_add_ps(a); }
@@ -233,7 +234,8 @@ struct F32x8 {
   }
   static reg iota() { return _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7); }
   static reg select_between(reg i, reg lo, reg hi, reg x, reg other) {
-    const reg in = _mm256_and_ps(_mm256_cmp_ps(i, lo, _CMP_GE_OQ), _mm256_cmp_ps(i, hi, _CMP_LT_OQ));
+    const reg in =
+        _mm256_and_ps(_mm256_cmp_ps(i, lo, _CMP_GE_OQ), _mm256_cmp_ps(i, hi, _CMP_LT_OQ));
     return _mm256_blendv_ps(other, x, in);
   }
   static float reduce_add(reg a) {
@@ -348,8 +350,8 @@ struct SimdTileOps {
   };
 
   template <int R, int C>
-  static Products<R * C> dot_products(const float* q, Index q_stride,
-                                             const float* const* keys, Index d) {
+  static Products<R * C> dot_products(const float* q, Index q_stride, const float* const* keys,
+                                      Index d) {
     const float* key[C];
     OVQ_UNROLL
     for (int c = 0; c < C; ++c) key[c] = keys[c];
@@ -383,9 +385,9 @@ struct SimdTileOps {
     return products;
   }
 
-  // Scores 8 a, ..., 8 a + 7 of a block, scaled by beta, from its products (a group past the
-  // last product repeats the previous ones, whose sums are then not used): lane x is product
-  // 8 a + x's lane sum by reduce8's tree.
+  // Scores 8 a, ..., 8 a + 7 of a block, scaled by beta: lane x is product 8 a + x's lane sum by
+  // reduce8's tree (a group running past the last product wraps around to the first ones, whose
+  // repeated sums are not used).
   template <int N>
   static __m256 reduce_group(const Products<N>& products, int a, float beta) {
     __m256 folded[8];
@@ -417,15 +419,18 @@ struct SimdTileOps {
     }
     for (; i + 2 <= bq; i += 2) {
       for (Index c = 0; c < kKeyTile; c += 4) {
-        const __m256 x = reduce_group(dot_products<2, 4>(q + i * q_stride, q_stride, keys + c, d), 0, beta);
+        const auto acc = dot_products<2, 4>(q + i * q_stride, q_stride, keys + c, d);
+        const __m256 x = reduce_group(acc, 0, beta);
         _mm_storeu_ps(s + i * kKeyTile + c, _mm256_castps256_ps128(x));
         _mm_storeu_ps(s + (i + 1) * kKeyTile + c, _mm256_extractf128_ps(x, 1));
       }
     }
-    for (; i < bq; ++i)
-      for (Index c = 0; c < kKeyTile; c += 8)
-        _mm256_storeu_ps(s + i * kKeyTile + c,
-                         reduce_group(dot_products<1, 8>(q + i * q_stride, q_stride, keys + c, d), 0, beta));
+    for (; i < bq; ++i) {
+      for (Index c = 0; c < kKeyTile; c += 8) {
+        const auto acc = dot_products<1, 8>(q + i * q_stride, q_stride, keys + c, d);
+        _mm256_storeu_ps(s + i * kKeyTile + c, reduce_group(acc, 0, beta));
+      }
+    }
   }
 
   static void scores_packed(const float* q, Index q_stride, Index bq, const float* panel,
