@@ -350,7 +350,6 @@ std::string describe(const OvqOptions& o) {
       " eta=", o.rate.eta, " renormalize=", o.renormalize);
 }
 
-
 Index pick_tokens(Input& in, Index chunk, Index to_boundary) {
   constexpr Index kMaxTokens = 130;
   Index t;

@@ -177,7 +177,6 @@ StateDims read_dims(Fields& f, const OvqAttention<S, A>*) {
 
 // ---- states ----
 
-
 // The format version in a file's header (the bytes are at least a header long when they decode).
 std::uint32_t file_version(const Bytes& file) {
   Fields f(file, 8);
