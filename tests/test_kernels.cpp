@@ -276,6 +276,58 @@ TEMPLATE_TEST_CASE("read kernel: a row's scores do not depend on the rows scored
   }
 }
 
+// accumulate over rows [i0, i0 + rows) of a 7-row tile gives the bits of the whole tile's call
+// (6-row blocks, pairs and single rows, single rows in runs of keys), and P V within rounding.
+template <class Scalar, class Arch>
+void check_accumulate_rows(Index dv, Index bk, std::uint64_t seed) {
+  using Ops = kernels::TileOps<Scalar, Arch>;
+  constexpr Index kTile = Ops::kKeyTile;
+  const Index bq = 7;
+  const RowMatrix<Scalar> p = random_matrix<Scalar>(bq, kTile, seed, 0.5);
+  const RowMatrix<Scalar> v = random_matrix<Scalar>(bk, dv, seed + 1);
+  const RowMatrix<Scalar> start = random_matrix<Scalar>(bq, dv, seed + 2);
+  RowMatrix<Scalar> all = start;
+  Ops::accumulate(p.data(), bq, bk, v.data(), dv, dv, all.data(), dv);
+  INFO(Arch::kName << " dv " << dv << " bk " << bk);
+  Index differ = 0;
+  for (Index rows = 1; rows <= bq; ++rows) {
+    for (Index i0 = 0; i0 + rows <= bq; ++i0) {
+      RowMatrix<Scalar> part = start.middleRows(i0, rows);
+      Ops::accumulate(p.data() + i0 * kTile, rows, bk, v.data(), dv, dv, part.data(), dv);
+      for (Index i = 0; i < rows; ++i)
+        for (Index c = 0; c < dv; ++c) differ += part(i, c) != all(i0 + i, c);
+    }
+  }
+  CHECK(differ == 0);
+  double worst = 0;
+  for (Index i = 0; i < bq; ++i) {
+    for (Index c = 0; c < dv; ++c) {
+      double want = double(start(i, c)), scale = std::abs(want);
+      for (Index j = 0; j < bk; ++j) {
+        want += double(p(i, j)) * double(v(j, c));
+        scale += std::abs(double(p(i, j)) * double(v(j, c)));
+      }
+      worst = std::max(worst, std::abs(double(all(i, c)) - want) / (scale + 1e-30));
+    }
+  }
+  CHECK(worst < 10 * test::tolerance<Scalar>());
+}
+
+TEMPLATE_TEST_CASE("read kernel: a row's P V does not depend on the rows accumulated with it",
+                   "[kernels][read][cut]", float, double) {
+  std::uint64_t seed = 300;
+  for (Index dv : {1, 5, 8, 13, 64, 67, 128, 200}) {
+    for (Index bk : {1, 3, 4, 5, 9, 32}) {
+      if (bk > kernels::TileOps<TestType, arch::native>::kKeyTile) continue;
+      check_accumulate_rows<TestType, arch::native>(dv, bk, seed++);
+      check_accumulate_rows<TestType, arch::scalar>(dv, bk, seed++);
+#if defined(OVQ_ARCH_AVX2)
+      check_accumulate_rows<TestType, arch::avx2>(dv, bk, seed++);
+#endif
+    }
+  }
+}
+
 // The softmax bookkeeping of one score row: the SIMD mask_max and scale against the portable
 // ones, bit for bit, on every visible range and on scores that overflowed (+-inf) or are NaN.
 template <class Arch>

@@ -229,7 +229,9 @@ void read(const ConstRowsView<Scalar>* q, Index heads, const MemoryRows<Scalar>&
   const Index positions_per_tile = std::max<Index>(1, kStackedRows / heads);
   const Index stacked = n_pos * heads;
   const Index n_tiles = (n_pos + positions_per_tile - 1) / positions_per_tile;
-  const Index tile_rows = positions_per_tile * heads;
+  // Buffers sized for the rows a tile really holds: a decode step stacks `heads` rows, not 64
+  // (zeroing 64-row buffers cost more than the read of a short memory).
+  const Index tile_rows = std::min(positions_per_tile, n_pos) * heads;
 
   // Key tiles [first, last] that query tile `tile` visits: tiles no row of it sees are skipped
   // whole (that is where causal and windowed reads save their masked part).
