@@ -403,6 +403,61 @@ TEMPLATE_TEST_CASE("read kernel: a long decode split across threads == the prefi
   }
 }
 
+TEMPLATE_TEST_CASE("read kernel: a grouped decode over a long memory == each head alone",
+                   "[kernels][read]", float, double) {
+  // 2100 memory rows of 128 + 128 scalars (2.1 MB in float) read by 2 to 8 stacked rows: the
+  // read prefetches its stream (read_detail::kPrefetchMinBytes), which a single head does not.
+  // Keys and values are strided views into wider matrices (the prefetch walks rows, not one
+  // block). Stacking changes no bit of a row, so the group must equal its heads read alone.
+  const Index n_memory = 2100, d = 128, pad = 8;
+  STATIC_REQUIRE(kernels::read_detail::kPrefetchMinRows <= 2);
+  REQUIRE(static_cast<double>(n_memory) * 2 * d * sizeof(float) >=
+          kernels::read_detail::kPrefetchMinBytes);
+  const auto km = random_matrix<TestType>(n_memory, d + pad, 41);
+  const auto vm = random_matrix<TestType>(n_memory, d + pad, 42);
+  const auto kl = random_matrix<TestType>(2, d, 43);
+  const auto vl = random_matrix<TestType>(2, d, 44);
+  std::vector<TestType> bias;
+  for (Index r = 0; r < n_memory; ++r) bias.push_back(static_cast<TestType>(std::log(1.0 + r % 3)));
+  const kernels::MemoryRows<TestType> memory{{km.data() + pad / 2, n_memory, d, d + pad},
+                                             {vm.data() + pad, n_memory, d, d + pad},
+                                             bias.data()};
+  const kernels::LocalRows<TestType> local{rows_view(kl), rows_view(vl)};
+  const TestType beta = TestType(0.1);
+  for (Index heads : {2, 4, 8}) {
+    for (Index n_queries : {Index(1), Index(2)}) {
+      if (heads * n_queries > kernels::read_detail::kPrefetchMaxRows) continue;
+      const kernels::ReadMask mask{true, 2 - n_queries, 0};
+      std::vector<RowMatrix<TestType>> q, grouped, alone;
+      for (Index h = 0; h < heads; ++h) {
+        q.push_back(random_matrix<TestType>(n_queries, d, 50 + h, 0.5));
+        grouped.emplace_back(n_queries, d);
+        alone.emplace_back(n_queries, d);
+      }
+      std::vector<ConstRowsView<TestType>> qv;
+      std::vector<RowsView<TestType>> ov;
+      for (Index h = 0; h < heads; ++h) {
+        qv.push_back(rows_view(q[h]));
+        ov.push_back(rows_view(grouped[h]));
+      }
+      kernels::read<TestType>(qv.data(), heads, memory, local, mask, beta, ov.data());
+      for (Index h = 0; h < heads; ++h) {
+        kernels::read<TestType>(rows_view(q[h]), memory, local, mask, beta, rows_view(alone[h]));
+        CAPTURE(heads, n_queries, h);
+        CHECK(grouped[h] == alone[h]);
+      }
+      // And against the formula (one head is enough: the others are equal to theirs alone).
+      std::vector<double> bias_d(bias.begin(), bias.end());
+      const RowMatrix<double> want = read_formula(
+          q[0].template cast<double>(),
+          km.leftCols(d + pad / 2).rightCols(d).template cast<double>(),
+          vm.rightCols(d).template cast<double>(), bias_d, kl.template cast<double>(),
+          vl.template cast<double>(), mask, 0.1);
+      CHECK(relative_error(grouped[0], want) < 10 * test::tolerance<TestType>());
+    }
+  }
+}
+
 TEST_CASE("read kernel: huge logits stay finite and pick the maximum", "[kernels][read]") {
   // beta q . k spans thousands: exp of the differences underflows to exactly 0 everywhere but
   // at the maximum, without NaN.
