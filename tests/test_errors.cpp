@@ -904,6 +904,17 @@ TEMPLATE_TEST_CASE("errors: a failing MultiHead call leaves all its states uncha
   SECTION("NaN in a middle key/value head") {
     CHECK_ARG_ERROR(mh.forward(q, k, with_value(v, 2 * t + 3, 0, kNaN), o), "V(3, 0)", "finite");
   }
+  SECTION("NaN in two key/value heads, checked on 1 to 4 threads: the first head's error") {
+    // States 1 and 3 are bad (local rows 1 and 2); with several threads the states' checks run
+    // in parallel, and the error must still be state 1's, as in state order.
+    const Mat<S> k2 = with_value(with_value(k, t + 1, 0, kNaN), 3 * t + 2, 0, kInf);
+    for (int threads : {1, 2, 4}) {
+      CAPTURE(threads);
+      mh.set_threads(threads);
+      CHECK_ARG_ERROR(mh.forward(q, k2, v, o), "K(1, 0)", "finite");
+      CHECK_ARG_ERROR(mh.absorb(k2, v), "absorb", "K(1, 0)", "finite");
+    }
+  }
   SECTION("Q of the wrong width") {
     const Mat<S> q5 = ovq::test::random_matrix<S>(q.rows(), dk + 1, 124);
     CHECK_ARG_ERROR(mh.forward(q5, k, v, o), "forward", "Q has 5 columns", "expected 4");
