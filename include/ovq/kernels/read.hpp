@@ -85,14 +85,14 @@ inline constexpr double kPrefetchMinBytes = 2.0 * 1024.0 * 1024.0;
 // Asks for the cache lines of row[0, n) (a hint: no fault, no effect on any result).
 template <class Scalar>
 inline void prefetch_row(const Scalar* row, Index n) {
-  constexpr std::size_t kLine = 64;
 #if defined(__GNUC__) || defined(__clang__)
+  constexpr std::size_t kLine = 64;
   const char* bytes = reinterpret_cast<const char*>(row);
   const std::size_t size = static_cast<std::size_t>(n) * sizeof(Scalar);
   for (std::size_t offset = 0; offset < size; offset += kLine)
     __builtin_prefetch(bytes + offset, 0, 3);
 #else
-  (void)row, (void)n, (void)kLine;
+  (void)row, (void)n;
 #endif
 }
 

@@ -190,11 +190,13 @@ class MultiHead {
         if (!failure) failure = std::current_exception();
       }
     };
+    bool parallel = false;
 #if defined(OVQ_HAS_OPENMP)
     // States run in parallel when there are enough of them to share; otherwise they run in
     // turn and each read parallelises over its own query tiles.
     const int threads = threads_ > 0 ? threads_ : omp_get_max_threads();
-    if (n_states >= threads && threads > 1 && !omp_in_parallel()) {
+    parallel = n_states >= threads && threads > 1 && !omp_in_parallel();
+    if (parallel) {
       // The checks are shared out too, in the same team: scanning a long prefill's inputs is
       // memory-bound work that, done on one thread, left the other idle for about a tenth of a
       // two-thread linear-attention prefill (T = 4096, 8 heads). A bad input is reported as the
@@ -220,14 +222,12 @@ class MultiHead {
       }
       for (const std::exception_ptr& e : check_failures)
         if (e) std::rethrow_exception(e);
-    } else {
+    }
+#endif
+    if (!parallel) {
       for (Index s = 0; s < n_states; ++s) check_state(s);
       for (Index s = 0; s < n_states; ++s) run_state(s);
     }
-#else
-    for (Index s = 0; s < n_states; ++s) check_state(s);
-    for (Index s = 0; s < n_states; ++s) run_state(s);
-#endif
     if (failure) std::rethrow_exception(failure);
   }
 
