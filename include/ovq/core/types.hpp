@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #include "ovq/config.hpp"
 
@@ -28,6 +29,14 @@ template <class Scalar>
 using ConstVectorRef = Eigen::Ref<const RowVector<Scalar>>;
 template <class Scalar>
 using VectorRef = Eigen::Ref<RowVector<Scalar>>;
+
+// Scratch storage of the SIMD kernels, aligned for Eigen's widest vector (EIGEN_MAX_ALIGN_BYTES:
+// 32 bytes with AVX, 64 with AVX-512), as Eigen's own matrices are. std::vector's 16 bytes left
+// it to the allocator whether a vector load from a row of the buffer straddled two cache lines:
+// stacked query rows at an address 16 mod 32 made half the score block's query loads split
+// loads, and the same kernel ran at different speeds from run to run.
+template <class T>
+using AlignedVector = std::vector<T, Eigen::aligned_allocator<T>>;
 
 template <class Scalar>
 inline constexpr bool is_supported_scalar_v =

@@ -32,8 +32,8 @@ void assign_nearest(ConstRowsView<Scalar> x, ConstRowsView<Scalar> centroids,
     arg[i] = -1;
   }
   if (n == 0 || x.rows == 0) return;
-  std::vector<Scalar> x_rows(static_cast<std::size_t>(kRows * d));
-  std::vector<Scalar> scores(static_cast<std::size_t>(kRows * kTile));
+  AlignedVector<Scalar> x_rows(static_cast<std::size_t>(kRows * d));
+  AlignedVector<Scalar> scores(static_cast<std::size_t>(kRows * kTile));
   for (Index i0 = 0; i0 < x.rows; i0 += kRows) {
     const Index bq = std::min(kRows, x.rows - i0);
     for (Index i = 0; i < bq; ++i)

@@ -97,7 +97,7 @@ inline constexpr Index kValuePad = 16;
 // copies of V and S when dv is not a multiple of kValuePad.
 template <class Scalar>
 struct ReadBuffers {
-  std::vector<Scalar> q, weights, scores, acc, den, values, kv;
+  AlignedVector<Scalar> q, weights, scores, acc, den, values, kv;
 
   void reserve(Index tile, Index dk, Index dvp) {
     q.resize(static_cast<std::size_t>(tile * dk));
@@ -111,7 +111,7 @@ struct ReadBuffers {
 // rows x cols of `src` (row stride src_stride) into `dst` at width `width` >= cols, zero-padded.
 template <class Scalar>
 const Scalar* padded_copy(const Scalar* src, Index rows, Index cols, Index src_stride,
-                          Index width, std::vector<Scalar>& dst) {
+                          Index width, AlignedVector<Scalar>& dst) {
   dst.assign(static_cast<std::size_t>(rows * width), Scalar(0));
   for (Index i = 0; i < rows; ++i)
     std::copy(src + i * src_stride, src + i * src_stride + cols, dst.data() + i * width);

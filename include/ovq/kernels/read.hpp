@@ -144,7 +144,7 @@ void tile_keys(const KeyAxis<Scalar>& axis, Index tile, const Scalar* keys[kTile
 // Per-thread tile state.
 template <class Scalar>
 struct TileBuffers {
-  std::vector<Scalar> q, scores, acc;
+  AlignedVector<Scalar> q, scores, acc;
   std::vector<SoftmaxStats<Scalar>> stats;
 
   TileBuffers(Index rows, Index dk, Index dv, Index key_tile)
@@ -371,7 +371,7 @@ void read(const ConstRowsView<Scalar>* q, Index heads, const MemoryRows<Scalar>&
     // then merged in order on this thread, exactly as read_tile merges them.
     const Index bq = stacked;
     const Index b0 = decode_range.first / kTilesPerBlock;
-    std::vector<Scalar> block_acc(static_cast<std::size_t>(decode_blocks * bq * dv));
+    AlignedVector<Scalar> block_acc(static_cast<std::size_t>(decode_blocks * bq * dv));
     std::vector<SoftmaxStats<Scalar>> block_stats(static_cast<std::size_t>(decode_blocks * bq));
 #pragma omp parallel
     {

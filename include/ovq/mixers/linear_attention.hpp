@@ -94,7 +94,7 @@ class LinearAttention
         options_.normalize, static_cast<Scalar>(options_.eps)};
     const Index chunk = options_.chunk;
     const Index dk = state.key_dim();
-    thread_local std::vector<Scalar> panels;
+    thread_local AlignedVector<Scalar> panels;
     RowMatrix<Scalar> phi_k;
     for (Index pos = 0; pos < k.rows;) {
       const Index offset = state.pending();

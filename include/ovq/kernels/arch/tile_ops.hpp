@@ -56,7 +56,7 @@ inline Scalar fused_multiply_add(Scalar a, Scalar b, Scalar c) {
 // For the users of scores_packed: K (n x d) -> panels of kTile keys, each d x kTile (key index
 // fastest), zero-padded. Cost: n d copies.
 template <class Scalar, Index kTile>
-void pack_key_panels(ConstRowsView<Scalar> keys, std::vector<Scalar>& panels) {
+void pack_key_panels(ConstRowsView<Scalar> keys, AlignedVector<Scalar>& panels) {
   const Index tiles = (keys.rows + kTile - 1) / kTile;
   const Index d = keys.cols;
   panels.assign(static_cast<std::size_t>(tiles * d * kTile), Scalar(0));
