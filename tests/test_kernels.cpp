@@ -1,8 +1,10 @@
 // The optimised kernels against the portable ones, scalar and native architecture in the same
 // binary, and both against plain double formulas.
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "support/catch.hpp"
@@ -456,6 +458,56 @@ TEMPLATE_TEST_CASE("read kernel: a grouped decode over a long memory == each hea
       CHECK(relative_error(grouped[0], want) < 10 * test::tolerance<TestType>());
     }
   }
+}
+
+TEMPLATE_TEST_CASE("read kernel: rows at any address give the same bits; scratch is aligned",
+                   "[kernels][read]", float, double) {
+  // The kernels' scratch (stacked queries, scores, accumulators) is aligned for speed
+  // (AlignedVector); the caller's rows are read with unaligned loads wherever they start. Copies
+  // of the same rows one scalar past an aligned address, with a row stride of d + 1 (so that
+  // rows start at every offset modulo the vector width), must give the aligned rows' bits.
+  const Index n = 300, boundary = 200, d = 37, dv = 21;
+  const auto q = random_matrix<TestType>(n, d, 61, 0.5);
+  const auto k = random_matrix<TestType>(n, d, 62);
+  const auto v = random_matrix<TestType>(n, dv, 63);
+  // rows x cols of m into storage at data + 1, stride cols + 1.
+  auto shifted = [](const RowMatrix<TestType>& m, AlignedVector<TestType>& storage) {
+    storage.assign(static_cast<std::size_t>(m.rows() * (m.cols() + 1) + 1), TestType(0));
+    TestType* data = storage.data() + 1;
+    for (Index i = 0; i < m.rows(); ++i)
+      std::copy(m.row(i).data(), m.row(i).data() + m.cols(), data + i * (m.cols() + 1));
+    return RowsView<TestType>{data, m.rows(), m.cols(), m.cols() + 1};
+  };
+  AlignedVector<TestType> q_store, k_store, v_store;
+  const RowsView<TestType> qs = shifted(q, q_store), ks = shifted(k, k_store),
+                           vs = shifted(v, v_store);
+  auto read_rows = [&](ConstRowsView<TestType> qv, ConstRowsView<TestType> kv,
+                       ConstRowsView<TestType> vv, Index first, Index count) {
+    RowMatrix<TestType> o(count, dv);
+    const kernels::MemoryRows<TestType> memory{kv.middle_rows(0, boundary),
+                                               vv.middle_rows(0, boundary), nullptr, 0};
+    const kernels::LocalRows<TestType> local{kv.middle_rows(boundary, n - boundary),
+                                             vv.middle_rows(boundary, n - boundary)};
+    const kernels::ReadMask mask{true, first - boundary, 0};
+    kernels::read<TestType>(qv.middle_rows(first, count), memory, local, mask, TestType(0.4),
+                            rows_view(o));
+    return o;
+  };
+  // A prefill of the local rows, and a single-row decode at the end.
+  for (const auto& [first, count] : {std::pair<Index, Index>{boundary, n - boundary}, {n - 1, 1}}) {
+    CAPTURE(first, count);
+    CHECK(read_rows(qs, ks, vs, first, count) ==
+          read_rows(rows_view(q), rows_view(k), rows_view(v), first, count));
+  }
+  // The scratch starts on Eigen's widest vector for any shape (that is its point).
+  for (Index rows : {1, 4, 64})
+    for (Index width : {Index(1), d, Index(128)}) {
+      kernels::read_detail::TileBuffers<TestType> buf(rows, width, width, 32);
+      CAPTURE(rows, width);
+      CHECK(reinterpret_cast<std::uintptr_t>(buf.q.data()) % EIGEN_MAX_ALIGN_BYTES == 0);
+      CHECK(reinterpret_cast<std::uintptr_t>(buf.scores.data()) % EIGEN_MAX_ALIGN_BYTES == 0);
+      CHECK(reinterpret_cast<std::uintptr_t>(buf.acc.data()) % EIGEN_MAX_ALIGN_BYTES == 0);
+    }
 }
 
 TEST_CASE("read kernel: huge logits stay finite and pick the maximum", "[kernels][read]") {
