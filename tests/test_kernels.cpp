@@ -465,7 +465,8 @@ TEMPLATE_TEST_CASE("read kernel: rows at any address give the same bits; scratch
   // The kernels' scratch (stacked queries, scores, accumulators) is aligned for speed
   // (AlignedVector); the caller's rows are read with unaligned loads wherever they start. Copies
   // of the same rows one scalar past an aligned address, with a row stride of d + 1 (so that
-  // rows start at every offset modulo the vector width), must give the aligned rows' bits.
+  // the rows start at several offsets modulo the vector width, none of them aligned), must give
+  // the aligned rows' bits.
   const Index n = 300, boundary = 200, d = 37, dv = 21;
   const auto q = random_matrix<TestType>(n, d, 61, 0.5);
   const auto k = random_matrix<TestType>(n, d, 62);
