@@ -106,11 +106,11 @@ struct KeyAxis {
   Index pad = 0;
   Index window = 0;  // 0: none
   bool causal = true;
-  // A grouped-query decode step (2 to 8 stacked rows a tile) reads every memory row once, from
-  // L3 or DRAM. The hardware prefetcher alone let the stream stall while a tile was computed
-  // (on two threads, 4 rows a tile over 4096 keys took about the one-row read's time plus the
-  // arithmetic's), so each tile asks for its values before its scores and for the next tile's
-  // keys before its P V.
+  // Set for a grouped-query decode (kPrefetchMinRows above): such a step reads every memory row
+  // once, from L3 or DRAM, and the hardware prefetcher alone let the stream stall while a tile
+  // was computed (on two threads, 4 rows a tile over 4096 keys took about the one-row read's
+  // time plus the arithmetic's). Each tile asks for its values before its scores and for the
+  // next tile's keys before its P V.
   bool prefetch = false;
 
   Index memory_begin() const { return pad; }
