@@ -4,10 +4,12 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "support/catch.hpp"
+#include "support/emulated_avx512.hpp"
 #include "support/fixtures.hpp"
 
 // ovq_tests_avx512 compiles this file for AVX-512 so that arch::native is arch::avx512.
@@ -80,34 +82,50 @@ struct ReadCase {
   bool causal, bias;
 };
 
-template <class Scalar, class Arch>
-void check_read_case(const ReadCase& c, std::uint64_t seed) {
+// A case's inputs, from a seed: random rows, and a log-count-like bias with removed rows.
+template <class Scalar>
+struct ReadInputs {
   std::vector<RowMatrix<Scalar>> q;
-  for (Index h = 0; h < c.heads; ++h)
-    q.push_back(random_matrix<Scalar>(c.n_queries, c.dk, seed + 10 + h, 0.5));
-  const auto km = random_matrix<Scalar>(c.n_memory, c.dk, seed + 1);
-  const auto vm = random_matrix<Scalar>(c.n_memory, c.dv, seed + 2);
-  const auto kl = random_matrix<Scalar>(c.n_local, c.dk, seed + 3);
-  const auto vl = random_matrix<Scalar>(c.n_local, c.dv, seed + 4);
+  RowMatrix<Scalar> km, vm, kl, vl;
   std::vector<Scalar> bias;
   std::vector<double> bias_d;
-  if (c.bias) {
-    for (Index r = 0; r < c.n_memory; ++r) {
-      // Every seventh row removed (count 0), the others log-count-like.
-      const double b = r % 7 == 3 ? -std::numeric_limits<double>::infinity() : std::log(1.0 + r % 5);
-      bias.push_back(static_cast<Scalar>(b));
-      bias_d.push_back(b);
+  kernels::ReadMask mask;
+  Scalar beta = Scalar(0.8);
+
+  ReadInputs(const ReadCase& c, std::uint64_t seed)
+      : km(random_matrix<Scalar>(c.n_memory, c.dk, seed + 1)),
+        vm(random_matrix<Scalar>(c.n_memory, c.dv, seed + 2)),
+        kl(random_matrix<Scalar>(c.n_local, c.dk, seed + 3)),
+        vl(random_matrix<Scalar>(c.n_local, c.dv, seed + 4)),
+        mask{c.causal, c.offset, c.window} {
+    for (Index h = 0; h < c.heads; ++h)
+      q.push_back(random_matrix<Scalar>(c.n_queries, c.dk, seed + 10 + h, 0.5));
+    if (c.bias) {
+      for (Index r = 0; r < c.n_memory; ++r) {
+        // Every seventh row removed (count 0), the others log-count-like.
+        const double b =
+            r % 7 == 3 ? -std::numeric_limits<double>::infinity() : std::log(1.0 + r % 5);
+        bias.push_back(static_cast<Scalar>(b));
+        bias_d.push_back(b);
+      }
     }
   }
-  const kernels::ReadMask mask{c.causal, c.offset, c.window};
-  const Scalar beta = Scalar(0.8);
-  const auto fast = run_read<Scalar, Arch>(q, km, vm, bias, kl, vl, mask, beta);
-  const auto portable = run_read<Scalar, arch::scalar>(q, km, vm, bias, kl, vl, mask, beta);
+  template <class Arch>
+  std::vector<RowMatrix<Scalar>> read() const {
+    return run_read<Scalar, Arch>(q, km, vm, bias, kl, vl, mask, beta);
+  }
+};
+
+template <class Scalar, class Arch>
+void check_read_case(const ReadCase& c, std::uint64_t seed) {
+  const ReadInputs<Scalar> in(c, seed);
+  const auto fast = in.template read<Arch>();
+  const auto portable = in.template read<arch::scalar>();
   for (Index h = 0; h < c.heads; ++h) {
     const RowMatrix<double> want =
-        read_formula(q[h].template cast<double>(), km.template cast<double>(),
-                     vm.template cast<double>(), bias_d, kl.template cast<double>(),
-                     vl.template cast<double>(), mask, 0.8);
+        read_formula(in.q[h].template cast<double>(), in.km.template cast<double>(),
+                     in.vm.template cast<double>(), in.bias_d, in.kl.template cast<double>(),
+                     in.vl.template cast<double>(), in.mask, double(in.beta));
     INFO("heads " << c.heads << " Tq " << c.n_queries << " Nm " << c.n_memory << " Nl "
                   << c.n_local << " dk " << c.dk << " dv " << c.dv << " offset " << c.offset
                   << " window " << c.window << " causal " << c.causal);
@@ -132,6 +150,7 @@ const std::vector<ReadCase> kReadCases = {
     {3, 1, 5000, 1, 64, 64, 0, 0, true, true},      // decode over a long memory
     {8, 2, 300, 7, 16, 16, 5, 0, true, true},       // decode, several heads, offset
     {20, 9, 70, 9, 8, 8, 0, 0, true, false},        // more heads than a tile holds rows
+    {2, 21, 100, 21, 29, 27, 0, 0, true, true},     // features past the last of 8 and 16 lanes
 };
 
 }  // namespace
@@ -146,6 +165,13 @@ TEMPLATE_TEST_CASE("read kernel: native architecture == portable == formula", "[
 TEST_CASE("read kernel: AVX2 micro-kernels == formula", "[kernels][read]") {
   std::uint64_t seed = 900;
   for (const ReadCase& c : kReadCases) check_read_case<float, arch::avx2>(c, seed += 50);
+}
+
+// The AVX-512 kernels' 16-lane template, run on any AVX2 CPU (support/emulated_avx512.hpp).
+TEST_CASE("read kernel: AVX-512 micro-kernels (emulated) == portable == formula",
+          "[kernels][read][avx512]") {
+  std::uint64_t seed = 1900;
+  for (const ReadCase& c : kReadCases) check_read_case<float, test::emulated_avx512>(c, seed += 50);
 }
 #endif
 
@@ -220,6 +246,19 @@ TEMPLATE_TEST_CASE("read kernel: a query's output does not depend on its call, c
   }
 }
 
+#if defined(OVQ_ARCH_AVX2)
+TEST_CASE("read kernel: AVX-512 micro-kernels (emulated): a query's output does not depend on "
+          "its call, cut or threads",
+          "[kernels][read][cut][avx512]") {
+  for (Index window : {0, 1, 50, 700}) {
+    check_read_cut_invariance<float, test::emulated_avx512>(2600, 64, window, 0, 27 + window);
+    // d = 24 and 13: feature tails of 8 and 13 lanes on 16-lane vectors.
+    check_read_cut_invariance<float, test::emulated_avx512>(300, 24, window, 1013, 28 + window);
+    check_read_cut_invariance<float, test::emulated_avx512>(200, 13, window, 77, 30 + window);
+  }
+}
+#endif
+
 namespace {
 
 // The read's score micro-kernel (TileOps::scores_rows) on its own: a query row's scores are the
@@ -269,11 +308,12 @@ void check_scores_rows(Index d, std::uint64_t seed) {
 
 TEMPLATE_TEST_CASE("read kernel: a row's scores do not depend on the rows scored with it",
                    "[kernels][read][cut]", float, double) {
-  for (Index d : {1, 5, 8, 13, 16, 64, 67, 128}) {
+  for (Index d : {1, 5, 8, 13, 16, 17, 24, 64, 67, 128}) {
     check_scores_rows<TestType, arch::native>(d, 40 + static_cast<std::uint64_t>(d));
     check_scores_rows<TestType, arch::scalar>(d, 60 + static_cast<std::uint64_t>(d));
 #if defined(OVQ_ARCH_AVX2)
     check_scores_rows<TestType, arch::avx2>(d, 80 + static_cast<std::uint64_t>(d));
+    check_scores_rows<TestType, test::emulated_avx512>(d, 100 + static_cast<std::uint64_t>(d));
 #endif
   }
 }
@@ -319,12 +359,18 @@ TEMPLATE_TEST_CASE("read kernel: a row's P V does not depend on the rows accumul
                    "[kernels][read][cut]", float, double) {
   std::uint64_t seed = 300;
   for (Index dv : {1, 5, 8, 13, 64, 67, 128, 200}) {
-    for (Index bk : {1, 3, 4, 5, 9, 32}) {
-      if (bk > kernels::TileOps<TestType, arch::native>::kKeyTile) continue;
-      check_accumulate_rows<TestType, arch::native>(dv, bk, seed++);
-      check_accumulate_rows<TestType, arch::scalar>(dv, bk, seed++);
+    for (Index bk : {1, 3, 4, 5, 9, 32, 64}) {
+      // Each architecture up to its own key tile (the keys of one tile).
+      auto check = [&](auto arch_tag) {
+        using Arch = decltype(arch_tag);
+        if (bk <= kernels::TileOps<TestType, Arch>::kKeyTile)
+          check_accumulate_rows<TestType, Arch>(dv, bk, seed++);
+      };
+      check(arch::native{});
+      check(arch::scalar{});
 #if defined(OVQ_ARCH_AVX2)
-      check_accumulate_rows<TestType, arch::avx2>(dv, bk, seed++);
+      check(arch::avx2{});
+      check(test::emulated_avx512{});
 #endif
     }
   }
@@ -384,6 +430,7 @@ TEST_CASE("read kernel: masking, saturation and rescaling of a score row == port
   check_row_bookkeeping<arch::native>();
 #if defined(OVQ_ARCH_AVX2)
   check_row_bookkeeping<arch::avx2>();
+  check_row_bookkeeping<test::emulated_avx512>();
 #endif
 }
 
@@ -549,6 +596,16 @@ TEMPLATE_TEST_CASE("assign_nearest: native == portable == formula", "[kernels][a
         CHECK(arg_port[i] == nearest[i]);
         CHECK(std::abs(best_fast[i] - best_port[i]) <= 1e-4 * (1 + std::abs(best_port[i])));
       }
+#if defined(OVQ_ARCH_AVX2)
+      // The AVX-512 kernels' 16-lane template (emulated), whose centroid tiles hold 64 rows.
+      kernels::assign_nearest<TestType, test::emulated_avx512>(
+          rows_view(x), rows_view(c), offset.data(), best_fast.data(), arg_fast.data());
+      for (Index i = 0; i < 45; ++i) {
+        INFO("emulated AVX-512: n " << n << " d " << d << " row " << i);
+        CHECK(arg_fast[i] == nearest[i]);
+        CHECK(std::abs(best_fast[i] - best_port[i]) <= 1e-4 * (1 + std::abs(best_port[i])));
+      }
+#endif
     }
   }
 }
@@ -576,20 +633,30 @@ void compare_architectures(const Options& options, MakeState make_state, Index t
   const auto q = random_matrix<float>(t, dk, seed, 0.5);
   const auto k = random_matrix<float>(t, dk, seed + 1, 0.5);
   const auto v = random_matrix<float>(t, dv, seed + 2);
-  Mixer<float, arch::native> fast(options);
   Mixer<float, arch::scalar> portable(options);
-  auto s_fast = make_state(fast);
   auto s_port = make_state(portable);
-  const RowMatrix<float> o_fast = fast.forward(s_fast, q, k, v);
   const RowMatrix<float> o_port = portable.forward(s_port, q, k, v);
-  CHECK(relative_error(o_fast, o_port) < 1e-5);
+  auto check = [&](auto arch_tag) {
+    using Arch = decltype(arch_tag);
+    Mixer<float, Arch> fast(options);
+    auto s_fast = make_state(fast);
+    const RowMatrix<float> o_fast = fast.forward(s_fast, q, k, v);
+    INFO(Arch::kName);
+    CHECK(relative_error(o_fast, o_port) < 1e-5);
+  };
+  check(arch::native{});
+#if defined(OVQ_ARCH_AVX2)
+  check(test::emulated_avx512{});
+#endif
 }
 
 }  // namespace
 
 TEST_CASE("mixers: native architecture == portable architecture", "[kernels][arch]") {
-  const Index dk = 24, dv = 40;
-  for (Index t : {1, 63, 200, 513}) {
+  // dk = 29: a tail of 5 features on 8 lanes, 13 on 16.
+  for (const auto& shape : {std::tuple<Index, Index, Index>{1, 24, 40}, {63, 24, 40},
+                            {200, 24, 40}, {513, 24, 40}, {200, 29, 19}}) {
+    const Index t = std::get<0>(shape), dk = std::get<1>(shape), dv = std::get<2>(shape);
     SelfAttentionOptions so;
     compare_architectures<SelfAttention>(so, [&](auto& m) { return m.make_state(dk, dv); }, t, dk,
                                          dv, 10 + t);
@@ -612,6 +679,106 @@ TEST_CASE("mixers: native architecture == portable architecture", "[kernels][arc
                                         dv, 50 + t);
   }
 }
+
+#if defined(OVQ_ARCH_AVX512)
+namespace {
+
+// Entries whose bits differ (so -0 against +0 and NaN payloads count).
+template <class A, class B>
+Index differing_bits(const A& a, const B& b) {
+  Index n = 0;
+  for (Index i = 0; i < static_cast<Index>(a.size()); ++i)
+    n += std::memcmp(&a.data()[i], &b.data()[i], sizeof(a.data()[0])) != 0;
+  return n;
+}
+
+template <template <class, class> class Mixer, class Options, class MakeState>
+void check_mixer_emulation_bits(const Options& options, MakeState make_state, Index t, Index dk,
+                                Index dv, std::uint64_t seed) {
+  const auto q = random_matrix<float>(t, dk, seed, 0.5);
+  const auto k = random_matrix<float>(t, dk, seed + 1, 0.5);
+  const auto v = random_matrix<float>(t, dv, seed + 2);
+  Mixer<float, arch::avx512> hardware(options);
+  Mixer<float, test::emulated_avx512> emulated(options);
+  auto s_hw = make_state(hardware);
+  auto s_em = make_state(emulated);
+  CAPTURE(t);
+  CHECK(differing_bits(hardware.forward(s_hw, q, k, v), emulated.forward(s_em, q, k, v)) == 0);
+}
+
+}  // namespace
+
+// Only in ovq_tests_avx512, on a CPU with AVX-512: the emulation the AVX2 builds test must give
+// the hardware kernels' bits, or those tests would vouch for some other code.
+TEST_CASE("AVX-512 kernels give the bits of their emulation on AVX2", "[kernels][avx512]") {
+  using Hardware = kernels::TileOps<float, arch::avx512>;
+  using Emulated = kernels::TileOps<float, test::emulated_avx512>;
+  constexpr Index kTile = Hardware::kKeyTile;
+  STATIC_REQUIRE(Emulated::kKeyTile == kTile);
+  const Index bq = 7;
+  for (Index d : {1, 5, 13, 16, 24, 67, 128}) {
+    CAPTURE(d);
+    const RowMatrix<float> q = random_matrix<float>(bq, d, 3000 + d, 0.5);
+    const RowMatrix<float> k = random_matrix<float>(kTile, d, 3100 + d, 4.0);
+    const float* keys[kTile];
+    for (Index j = 0; j < kTile; ++j) keys[j] = k.data() + j * d;
+    std::vector<float> s_hw(static_cast<std::size_t>(bq * kTile)), s_em = s_hw;
+    Hardware::scores_rows(q.data(), d, bq, keys, d, 0.9f, s_hw.data());
+    Emulated::scores_rows(q.data(), d, bq, keys, d, 0.9f, s_em.data());
+    CHECK(differing_bits(s_hw, s_em) == 0);
+    // One score row's softmax bookkeeping, then P V into an accumulator of width d.
+    for (Index r = 0; r < bq; ++r) {
+      float* row_hw = s_hw.data() + r * kTile;
+      float* row_em = s_em.data() + r * kTile;
+      const float m_hw = Hardware::mask_max(row_hw, r, kTile - r);
+      const float m_em = Emulated::mask_max(row_em, r, kTile - r);
+      CHECK(std::memcmp(&m_hw, &m_em, sizeof(float)) == 0);
+      const float sum_hw = Hardware::exp_sum(row_hw, m_hw);
+      const float sum_em = Emulated::exp_sum(row_em, m_em);
+      CHECK(std::memcmp(&sum_hw, &sum_em, sizeof(float)) == 0);
+    }
+    CHECK(differing_bits(s_hw, s_em) == 0);
+    const RowMatrix<float> v = random_matrix<float>(kTile, d, 3200 + d);
+    RowMatrix<float> acc_hw = random_matrix<float>(bq, d, 3300 + d), acc_em = acc_hw;
+    for (Index bk : {Index(1), Index(5), kTile}) {
+      Hardware::accumulate(s_hw.data(), bq, bk, v.data(), d, d, acc_hw.data(), d);
+      Emulated::accumulate(s_em.data(), bq, bk, v.data(), d, d, acc_em.data(), d);
+    }
+    CHECK(differing_bits(acc_hw, acc_em) == 0);
+  }
+  std::uint64_t seed = 3400;
+  for (const ReadCase& c : kReadCases) {
+    const ReadInputs<float> in(c, seed += 50);
+    const auto o_hw = in.read<arch::avx512>();
+    const auto o_em = in.read<test::emulated_avx512>();
+    for (Index h = 0; h < c.heads; ++h) {
+      CAPTURE(c.heads, c.n_queries, c.n_memory, c.n_local, c.dk, c.dv, h);
+      const auto head = static_cast<std::size_t>(h);
+      CHECK(differing_bits(o_hw[head], o_em[head]) == 0);
+    }
+  }
+  const Index dk = 24, dv = 40;
+  for (Index t : {1, 200, 513}) {
+    const auto self_state = [&](auto& m) { return m.make_state(dk, dv); };
+    check_mixer_emulation_bits<SelfAttention>(SelfAttentionOptions{}, self_state, t, dk, dv,
+                                              3500 + t);
+    LinearAttentionOptions lo;
+    lo.feature_map = FeatureMap::elu1;
+    lo.normalize = true;
+    check_mixer_emulation_bits<LinearAttention>(lo, [&](auto& m) { return m.make_state(dk, dv); },
+                                                t, dk, dv, 3600 + t);
+    const auto codebook = random_matrix<float>(50, dk, 6, 0.5);
+    check_mixer_emulation_bits<VqAttention>(
+        VqAttentionOptions{}, [&](auto& m) { return m.make_state(codebook, dv); }, t, dk, dv,
+        3700 + t);
+    OvqOptions oo;
+    oo.capacity = 96;
+    oo.chunk = 32;
+    check_mixer_emulation_bits<OvqAttention>(oo, [&](auto& m) { return m.make_state(dk, dv); }, t,
+                                             dk, dv, 3800 + t);
+  }
+}
+#endif
 
 TEST_CASE("online softmax: merging two halves equals one pass", "[kernels][softmax]") {
   const auto s = random_matrix<double>(1, 40, 3, 3.0);

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "support/catch.hpp"
+#include "support/emulated_avx512.hpp"
 #include "support/fixtures.hpp"
 
 // Everything below lives in this file's own namespace, so the suite can be built as one
@@ -1200,6 +1201,9 @@ TEST_CASE("linear attention: any split of a stream gives the same bits", "[linea
   linear_splits_exact<float, arch::native>();
   linear_splits_exact<double, arch::native>();
   linear_splits_exact<float, arch::scalar>();
+#if defined(OVQ_ARCH_AVX2)
+  linear_splits_exact<float, test::emulated_avx512>();  // the AVX-512 kernels' 16 lanes
+#endif
 }
 
 TEST_CASE("VQ-attention: any split of a stream gives the same bits", "[vq][stream][exact]") {
@@ -1214,6 +1218,11 @@ TEST_CASE("VQ-attention: any split of a stream gives the same bits", "[vq][strea
       const Qkv<float> x = unit_qkv<float>(t, dk, dv, 4100 + static_cast<std::uint64_t>(l));
       VqAttention<float> mixer(opt);
       check_splits_exact(mixer, mixer.make_state(random_unit_rows<float>(9, dk, 4150), dv), x, l);
+#if defined(OVQ_ARCH_AVX2)
+      VqAttention<float, test::emulated_avx512> emulated(opt);
+      check_splits_exact(emulated, emulated.make_state(random_unit_rows<float>(9, dk, 4150), dv),
+                         x, l);
+#endif
     }
     {
       INFO("double");
@@ -1241,6 +1250,10 @@ TEST_CASE("self-attention: any split of a stream gives the same bits", "[self][s
         check_splits_exact(mixer, mixer.make_state(dk, dv), x, 97);
         SelfAttention<float, arch::scalar> portable(opt);
         check_splits_exact(portable, portable.make_state(dk, dv), x, 97);
+#if defined(OVQ_ARCH_AVX2)
+        SelfAttention<float, test::emulated_avx512> emulated(opt);
+        check_splits_exact(emulated, emulated.make_state(dk, dv), x, 97);
+#endif
       }
       if (chunk == 64) {
         const Qkv<double> x = gaussian_qkv<double>(t, dk, dv, 4400 + static_cast<std::uint64_t>(window));
@@ -1265,6 +1278,10 @@ TEST_CASE("OVQ-attention: any split of a stream gives the same bits", "[ovq][str
       check_splits_exact(mixer, mixer.make_state(dk, dv), x, l);
       OvqAttention<float, arch::scalar> portable(opt);
       check_splits_exact(portable, portable.make_state(dk, dv), x, l);
+#if defined(OVQ_ARCH_AVX2)
+      OvqAttention<float, test::emulated_avx512> emulated(opt);
+      check_splits_exact(emulated, emulated.make_state(dk, dv), x, l);
+#endif
     }
     {
       const Qkv<double> x = unit_qkv<double>(t, dk, dv, 4600 + static_cast<std::uint64_t>(l));

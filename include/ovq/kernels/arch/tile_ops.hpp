@@ -160,6 +160,22 @@ struct TileOps<double, arch::avx2> : TileOps<double, arch::scalar> {};
 #if defined(OVQ_ARCH_AVX512) || defined(OVQ_ARCH_AVX2)
 namespace simd {
 
+// The largest and the sum of 8 lanes, by one fixed tree: halves, then pairs, then the last two.
+// The 16-lane versions fold their halves first and use the same trees, so their order is ovq's,
+// not the compiler's (_mm512_reduce_add_ps is a sequence each compiler picks).
+inline float reduce_max8(__m256 a) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+inline float reduce_add8(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
 #if defined(OVQ_ARCH_AVX512)
 struct F32x16 {
   using reg = __m512;
@@ -174,7 +190,10 @@ struct F32x16 {
   static reg sub(reg a, reg b) { return _mm512_sub_ps(a, b); }
   static reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
   static reg min(reg a, reg b) { return _mm512_min_ps(a, b); }
-  static float reduce_max(reg a) { return _mm512_reduce_max_ps(a); }
+  // Lane l against lane l + 8 (the pairs fold_to_8 adds), then reduce_max8's tree.
+  static float reduce_max(reg a) {
+    return reduce_max8(_mm256_max_ps(_mm512_castps512_ps256(a), upper_half(a)));
+  }
   // 0, 1, ..., 15
   static reg iota() {
     return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -185,7 +204,7 @@ struct F32x16 {
         _mm512_cmp_ps_mask(i, lo, _CMP_GE_OQ) & _mm512_cmp_ps_mask(i, hi, _CMP_LT_OQ);
     return _mm512_mask_blend_ps(in, other, x);
   }
-  static float reduce_add(reg a) { return _mm512_reduce_add_ps(a); }
+  static float reduce_add(reg a) { return reduce_add8(fold_to_8(a)); }
   static reg round(reg a) {
     return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   }
@@ -204,10 +223,11 @@ struct F32x16 {
     return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1u), p);
   }
   // Lane l + lane l + 8: the first step of the lane sum (then reduce8's tree).
-  static __m256 fold_to_8(reg a) {
-    const __m256 lo = _mm512_castps512_ps256(a);
-    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
-    return _mm256_add_ps(lo, hi);
+  static __m256 fold_to_8(reg a) { return _mm256_add_ps(_mm512_castps512_ps256(a), upper_half(a)); }
+  // Lanes 8 ... 15 (AVX-512F has no 32-bit-lane extract of a half; the 64-bit one moves the
+  // same bits).
+  static __m256 upper_half(reg a) {
+    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
   }
 };
 #endif
@@ -226,24 +246,14 @@ struct F32x8 {
   static reg sub(reg a, reg b) { return _mm256_sub_ps(a, b); }
   static reg max(reg a, reg b) { return _mm256_max_ps(a, b); }
   static reg min(reg a, reg b) { return _mm256_min_ps(a, b); }
-  static float reduce_max(reg a) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    return _mm_cvtss_f32(m);
-  }
+  static float reduce_max(reg a) { return reduce_max8(a); }
   static reg iota() { return _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7); }
   static reg select_between(reg i, reg lo, reg hi, reg x, reg other) {
     const reg in =
         _mm256_and_ps(_mm256_cmp_ps(i, lo, _CMP_GE_OQ), _mm256_cmp_ps(i, hi, _CMP_LT_OQ));
     return _mm256_blendv_ps(other, x, in);
   }
-  static float reduce_add(reg a) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-  }
+  static float reduce_add(reg a) { return reduce_add8(a); }
   static reg round(reg a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   static reg pow2(reg n) {
     const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));

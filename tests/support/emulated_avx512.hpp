@@ -1,0 +1,75 @@
+#pragma once
+// The AVX-512 micro-kernels' template (SimdTileOps over 16 lanes) on an AVX2 machine, for tests.
+//
+// A 16-lane register is two 8-lane halves; every operation is the same IEEE operation on every
+// lane as its AVX-512 counterpart in tile_ops.hpp (one rounding each, multiply-adds fused,
+// maxima and minima with the same operand order, masked loads that read nothing past their
+// end), and the reductions are ovq's fixed trees, which F32x16 also uses. So the kernels' 16-lane
+// logic, which an AVX2 CPU cannot otherwise execute (64-key tiles, 6-row score blocks of four
+// vectors, 4 x 4 P V blocks, tails of d mod 16 features), runs and is tested on every x86-64 CI
+// machine, and where the CPU has AVX-512 a test checks that it gives the hardware kernels' bits.
+#include "ovq/kernels/arch/tile_ops.hpp"
+
+#if defined(OVQ_ARCH_AVX2)
+
+namespace ovq::test {
+
+// Architecture tag: the AVX-512 kernels' template, emulated (float; double is portable as on
+// every architecture).
+struct emulated_avx512 {
+  static constexpr const char* kName = "avx512-emulated";
+};
+
+struct F32x16OnAvx2 {
+  struct reg {
+    __m256 lo, hi;  // lanes 0-7, 8-15
+  };
+  using Half = kernels::simd::F32x8;
+  static constexpr Index kWidth = 16;
+
+  static reg zero() { return {Half::zero(), Half::zero()}; }
+  static reg set1(float x) { return {Half::set1(x), Half::set1(x)}; }
+  static reg load(const float* p) { return {Half::load(p), Half::load(p + 8)}; }
+  static void store(float* p, reg a) {
+    Half::store(p, a.lo);
+    Half::store(p + 8, a.hi);
+  }
+  static reg fmadd(reg a, reg b, reg c) {
+    return {Half::fmadd(a.lo, b.lo, c.lo), Half::fmadd(a.hi, b.hi, c.hi)};
+  }
+  static reg mul(reg a, reg b) { return {Half::mul(a.lo, b.lo), Half::mul(a.hi, b.hi)}; }
+  static reg add(reg a, reg b) { return {Half::add(a.lo, b.lo), Half::add(a.hi, b.hi)}; }
+  static reg sub(reg a, reg b) { return {Half::sub(a.lo, b.lo), Half::sub(a.hi, b.hi)}; }
+  static reg max(reg a, reg b) { return {Half::max(a.lo, b.lo), Half::max(a.hi, b.hi)}; }
+  static reg min(reg a, reg b) { return {Half::min(a.lo, b.lo), Half::min(a.hi, b.hi)}; }
+  static float reduce_max(reg a) { return kernels::simd::reduce_max8(Half::max(a.lo, a.hi)); }
+  static reg iota() { return {Half::iota(), Half::add(Half::iota(), Half::set1(8.0f))}; }
+  static reg select_between(reg i, reg lo, reg hi, reg x, reg other) {
+    return {Half::select_between(i.lo, lo.lo, hi.lo, x.lo, other.lo),
+            Half::select_between(i.hi, lo.hi, hi.hi, x.hi, other.hi)};
+  }
+  static float reduce_add(reg a) { return kernels::simd::reduce_add8(fold_to_8(a)); }
+  static reg round(reg a) { return {Half::round(a.lo), Half::round(a.hi)}; }
+  static reg pow2(reg n) { return {Half::pow2(n.lo), Half::pow2(n.hi)}; }
+  static reg zero_below(reg x, float lo, reg y) {
+    return {Half::zero_below(x.lo, lo, y.lo), Half::zero_below(x.hi, lo, y.hi)};
+  }
+  // p[0..n), 0 < n < 16, zeros above; reads nothing past p + n.
+  static reg load_first(const float* p, Index n) {
+    if (n < 8) return {Half::load_first(p, n), Half::zero()};
+    if (n == 8) return {Half::load(p), Half::zero()};
+    return {Half::load(p), Half::load_first(p + 8, n - 8)};
+  }
+  static __m256 fold_to_8(reg a) { return Half::add(a.lo, a.hi); }
+};
+
+}  // namespace ovq::test
+
+namespace ovq::kernels {
+template <>
+struct TileOps<float, test::emulated_avx512> : simd::SimdTileOps<test::F32x16OnAvx2> {};
+template <>
+struct TileOps<double, test::emulated_avx512> : TileOps<double, arch::scalar> {};
+}  // namespace ovq::kernels
+
+#endif
