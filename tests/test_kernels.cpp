@@ -627,20 +627,27 @@ TEST_CASE("assign_nearest: ties go to the smallest index, no centroid gives -1",
 
 namespace {
 
-template <template <class, class> class Mixer, class Options, class MakeState>
-void compare_architectures(const Options& options, MakeState make_state, Index t, Index dk,
-                           Index dv, std::uint64_t seed) {
+// One float forward of a fresh state over t seeded tokens, with Mixer<float, Arch>.
+template <template <class, class> class Mixer, class Arch, class Options, class MakeState>
+RowMatrix<float> seeded_forward(const Options& options, MakeState make_state, Index t, Index dk,
+                                Index dv, std::uint64_t seed) {
   const auto q = random_matrix<float>(t, dk, seed, 0.5);
   const auto k = random_matrix<float>(t, dk, seed + 1, 0.5);
   const auto v = random_matrix<float>(t, dv, seed + 2);
-  Mixer<float, arch::scalar> portable(options);
-  auto s_port = make_state(portable);
-  const RowMatrix<float> o_port = portable.forward(s_port, q, k, v);
+  Mixer<float, Arch> mixer(options);
+  auto state = make_state(mixer);
+  return mixer.forward(state, q, k, v);
+}
+
+template <template <class, class> class Mixer, class Options, class MakeState>
+void compare_architectures(const Options& options, MakeState make_state, Index t, Index dk,
+                           Index dv, std::uint64_t seed) {
+  const RowMatrix<float> o_port =
+      seeded_forward<Mixer, arch::scalar>(options, make_state, t, dk, dv, seed);
   auto check = [&](auto arch_tag) {
     using Arch = decltype(arch_tag);
-    Mixer<float, Arch> fast(options);
-    auto s_fast = make_state(fast);
-    const RowMatrix<float> o_fast = fast.forward(s_fast, q, k, v);
+    const RowMatrix<float> o_fast =
+        seeded_forward<Mixer, Arch>(options, make_state, t, dk, dv, seed);
     INFO(Arch::kName);
     CHECK(relative_error(o_fast, o_port) < 1e-5);
   };
@@ -695,15 +702,11 @@ Index differing_bits(const A& a, const B& b) {
 template <template <class, class> class Mixer, class Options, class MakeState>
 void check_mixer_emulation_bits(const Options& options, MakeState make_state, Index t, Index dk,
                                 Index dv, std::uint64_t seed) {
-  const auto q = random_matrix<float>(t, dk, seed, 0.5);
-  const auto k = random_matrix<float>(t, dk, seed + 1, 0.5);
-  const auto v = random_matrix<float>(t, dv, seed + 2);
-  Mixer<float, arch::avx512> hardware(options);
-  Mixer<float, test::emulated_avx512> emulated(options);
-  auto s_hw = make_state(hardware);
-  auto s_em = make_state(emulated);
   CAPTURE(t);
-  CHECK(differing_bits(hardware.forward(s_hw, q, k, v), emulated.forward(s_em, q, k, v)) == 0);
+  CHECK(differing_bits(
+            seeded_forward<Mixer, arch::avx512>(options, make_state, t, dk, dv, seed),
+            seeded_forward<Mixer, test::emulated_avx512>(options, make_state, t, dk, dv, seed)) ==
+        0);
 }
 
 }  // namespace

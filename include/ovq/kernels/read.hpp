@@ -265,7 +265,6 @@ void read(const ConstRowsView<Scalar>* q, Index heads, const MemoryRows<Scalar>&
                        mask.causal};
 
   const Index positions_per_tile = std::max<Index>(1, kStackedRows / heads);
-  const Index stacked = n_pos * heads;
   const Index n_tiles = (n_pos + positions_per_tile - 1) / positions_per_tile;
   // Buffers sized for the rows a tile really holds: a decode step stacks `heads` rows, not 64
   // (zeroing two 64-row buffers took about a third of a one-row read over 256 keys).
@@ -346,6 +345,7 @@ void read(const ConstRowsView<Scalar>* q, Index heads, const MemoryRows<Scalar>&
   };
 
 #if defined(OVQ_HAS_OPENMP)
+  const Index stacked = n_pos * heads;
   const double work = 2.0 * static_cast<double>(stacked) *
                       static_cast<double>(axis.end() - axis.pad) * static_cast<double>(dk + dv);
   const TileRange decode_range = key_range(0);
