@@ -762,14 +762,13 @@ TEST_CASE("AVX-512 kernels give the bits of their emulation on AVX2", "[kernels]
   }
   const Index dk = 24, dv = 40;
   for (Index t : {1, 200, 513}) {
-    const auto self_state = [&](auto& m) { return m.make_state(dk, dv); };
-    check_mixer_emulation_bits<SelfAttention>(SelfAttentionOptions{}, self_state, t, dk, dv,
+    const auto fresh_state = [&](auto& m) { return m.make_state(dk, dv); };
+    check_mixer_emulation_bits<SelfAttention>(SelfAttentionOptions{}, fresh_state, t, dk, dv,
                                               3500 + t);
     LinearAttentionOptions lo;
     lo.feature_map = FeatureMap::elu1;
     lo.normalize = true;
-    check_mixer_emulation_bits<LinearAttention>(lo, [&](auto& m) { return m.make_state(dk, dv); },
-                                                t, dk, dv, 3600 + t);
+    check_mixer_emulation_bits<LinearAttention>(lo, fresh_state, t, dk, dv, 3600 + t);
     const auto codebook = random_matrix<float>(50, dk, 6, 0.5);
     check_mixer_emulation_bits<VqAttention>(
         VqAttentionOptions{}, [&](auto& m) { return m.make_state(codebook, dv); }, t, dk, dv,
@@ -777,8 +776,7 @@ TEST_CASE("AVX-512 kernels give the bits of their emulation on AVX2", "[kernels]
     OvqOptions oo;
     oo.capacity = 96;
     oo.chunk = 32;
-    check_mixer_emulation_bits<OvqAttention>(oo, [&](auto& m) { return m.make_state(dk, dv); }, t,
-                                             dk, dv, 3800 + t);
+    check_mixer_emulation_bits<OvqAttention>(oo, fresh_state, t, dk, dv, 3800 + t);
   }
 }
 #endif
