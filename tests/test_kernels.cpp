@@ -1,5 +1,6 @@
 // The optimised kernels against the portable ones, scalar and native architecture in the same
 // binary, and both against plain double formulas.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -261,9 +262,24 @@ TEST_CASE("read kernel: AVX-512 micro-kernels (emulated): a query's output does 
 
 namespace {
 
+// A pacing hook (TileOps, NoPacing) that adds up what a micro-kernel call reports.
+struct FlopCounter {
+  Index* total;
+  Index* largest;
+  void advance(Index flops) const {
+    *total += flops;
+    *largest = std::max(*largest, flops);
+  }
+};
+
+// P V reports at least every few keys of a register block: at most 2048 flops at a time
+// (AVX-512: 4 rows x 4 vectors x 4 keys), whatever dv.
+constexpr Index kMaxPacingStep = 2048;
+
 // The read's score micro-kernel (TileOps::scores_rows) on its own: a query row's scores are the
 // same bits in every block shape (rows in pairs or alone, any number of rows, any position among
-// them), for widths with and without a vector tail, and close to the double formula.
+// them), for widths with and without a vector tail, and close to the double formula. The
+// pieces are scored with a pacing hook, which changes no bit and hears of every flop.
 template <class Scalar, class Arch>
 void check_scores_rows(Index d, std::uint64_t seed) {
   using Ops = kernels::TileOps<Scalar, Arch>;
@@ -281,7 +297,11 @@ void check_scores_rows(Index d, std::uint64_t seed) {
   for (Index rows = 1; rows <= bq; ++rows) {
     for (Index i0 = 0; i0 + rows <= bq; ++i0) {
       std::vector<Scalar> part(static_cast<std::size_t>(rows * kTile));
-      Ops::scores_rows(q.data() + i0 * d, d, rows, keys, d, beta, part.data());
+      Index flops = 0, largest = 0;
+      Ops::scores_rows(q.data() + i0 * d, d, rows, keys, d, beta, part.data(),
+                       FlopCounter{&flops, &largest});
+      CHECK(flops == 2 * rows * kTile * d);
+      CHECK(largest <= 24 * d);  // a block of at most 6 rows x 2 keys
       for (Index x = 0; x < rows * kTile; ++x)
         differ += part[static_cast<std::size_t>(x)] != all[static_cast<std::size_t>(i0 * kTile + x)];
     }
@@ -320,6 +340,7 @@ TEMPLATE_TEST_CASE("read kernel: a row's scores do not depend on the rows scored
 
 // accumulate over rows [i0, i0 + rows) of a 7-row tile gives the bits of the whole tile's call
 // (6-row blocks, pairs and single rows, single rows in runs of keys), and P V within rounding.
+// The pieces run with a pacing hook, as in check_scores_rows.
 template <class Scalar, class Arch>
 void check_accumulate_rows(Index dv, Index bk, std::uint64_t seed) {
   using Ops = kernels::TileOps<Scalar, Arch>;
@@ -335,7 +356,11 @@ void check_accumulate_rows(Index dv, Index bk, std::uint64_t seed) {
   for (Index rows = 1; rows <= bq; ++rows) {
     for (Index i0 = 0; i0 + rows <= bq; ++i0) {
       RowMatrix<Scalar> part = start.middleRows(i0, rows);
-      Ops::accumulate(p.data() + i0 * kTile, rows, bk, v.data(), dv, dv, part.data(), dv);
+      Index flops = 0, largest = 0;
+      Ops::accumulate(p.data() + i0 * kTile, rows, bk, v.data(), dv, dv, part.data(), dv,
+                      FlopCounter{&flops, &largest});
+      CHECK(flops == 2 * rows * bk * dv);
+      CHECK(largest <= kMaxPacingStep);
       for (Index i = 0; i < rows; ++i)
         for (Index c = 0; c < dv; ++c) differ += part(i, c) != all(i0 + i, c);
     }
@@ -505,6 +530,74 @@ TEMPLATE_TEST_CASE("read kernel: a grouped decode over a long memory == each hea
       CHECK(relative_error(grouped[0], want) < 10 * test::tolerance<TestType>());
     }
   }
+}
+
+// Records the cache lines a TileStream asks for, in order.
+struct RecordedPrefetch {
+  static inline std::vector<std::uintptr_t> lines;
+  static void line(const void* address) {
+    lines.push_back(reinterpret_cast<std::uintptr_t>(address));
+  }
+};
+
+TEST_CASE("read kernel: the tile stream asks for every line of its rows once, paced by flops",
+          "[kernels][read]") {
+  // Keys of 37 floats (148 bytes) 50 apart and values of 16 floats 21 apart, from addresses off
+  // the cache lines: a row covers 3 to 4 lines, or 1 to 2.
+  using Stream = kernels::read_detail::TileStream<float, RecordedPrefetch>;
+  std::vector<float> keys(40 * 50), values(40 * 21);
+  const kernels::MemoryRows<float> memory{
+      {keys.data() + 3, 39, 37, 50}, {values.data() + 1, 39, 16, 21}, nullptr};
+  // The lines of rows [first, last): the keys' rows, then the values', each row's lines in order.
+  auto lines_of = [&](Index first, Index last) {
+    std::vector<std::uintptr_t> want;
+    for (const ConstRowsView<float>& rows : {memory.keys, memory.values}) {
+      for (Index r = first; r < last; ++r) {
+        const auto begin = reinterpret_cast<std::uintptr_t>(rows.row(r));
+        const std::uintptr_t end = begin + static_cast<std::uintptr_t>(rows.cols) * sizeof(float);
+        for (std::uintptr_t a = begin; a < end; a = (a / 64 + 1) * 64) want.push_back(a / 64 * 64);
+      }
+    }
+    return want;
+  };
+  Stream stream;
+  const Index flops = 1000;
+  const std::pair<Index, Index> ranges[] = {{5, 37}, {0, 1}, {38, 39}};
+  for (const auto& [first, last] : ranges) {
+    RecordedPrefetch::lines.clear();
+    stream.start(memory, first, last, flops);
+    const std::vector<std::uintptr_t> want = lines_of(first, last);
+    REQUIRE(stream.lines() == static_cast<Index>(want.size()));
+    CHECK(RecordedPrefetch::lines.empty());
+    // In proportion to the flops reported, never ahead of them.
+    Index done = 0, wrong = 0;
+    for (Index step : {1, 7, 90, 2, 300, 100, 250, 249}) {
+      stream.advance(step);
+      done += step;
+      wrong += stream.issued() != stream.lines() * done / flops;
+      wrong += static_cast<Index>(RecordedPrefetch::lines.size()) != stream.issued();
+    }
+    CAPTURE(first, last);
+    CHECK(wrong == 0);
+    CHECK(stream.issued() < stream.lines());  // 999 of 1000 flops
+    stream.advance(5);                        // past the end: everything, once
+    CHECK(RecordedPrefetch::lines == want);
+    stream.advance(100);
+    stream.finish();
+    CHECK(RecordedPrefetch::lines == want);
+  }
+  // finish() sends what the flops have not; an empty range sends nothing.
+  RecordedPrefetch::lines.clear();
+  stream.start(memory, 10, 20, flops);
+  stream.advance(400);
+  stream.finish();
+  CHECK(RecordedPrefetch::lines == lines_of(10, 20));
+  RecordedPrefetch::lines.clear();
+  stream.start(memory, 39, 39, flops);
+  stream.advance(flops);
+  stream.finish();
+  CHECK(stream.lines() == 0);
+  CHECK(RecordedPrefetch::lines.empty());
 }
 
 TEMPLATE_TEST_CASE("read kernel: rows at any address give the same bits; scratch is aligned",

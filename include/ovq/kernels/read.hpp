@@ -33,6 +33,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "ovq/core/online_softmax.hpp"
@@ -82,19 +83,103 @@ inline constexpr Index kPrefetchMinRows = 2;
 inline constexpr Index kPrefetchMaxRows = 8;
 inline constexpr double kPrefetchMinBytes = 2.0 * 1024.0 * 1024.0;
 
-// Asks for the cache lines of row[0, n) (a hint: no fault, no effect on any result).
-template <class Scalar>
-inline void prefetch_row(const Scalar* row, Index n) {
+// Asks for one cache line (a hint: no fault, no effect on any result).
+struct CachePrefetch {
+  static void line(const void* address) {
 #if defined(__GNUC__) || defined(__clang__)
-  constexpr std::size_t kLine = 64;
-  const char* bytes = reinterpret_cast<const char*>(row);
-  const std::size_t size = static_cast<std::size_t>(n) * sizeof(Scalar);
-  for (std::size_t offset = 0; offset < size; offset += kLine)
-    __builtin_prefetch(bytes + offset, 0, 3);
+    __builtin_prefetch(address, 0, 3);
 #else
-  (void)row, (void)n;
+    (void)address;
 #endif
-}
+  }
+};
+
+// The key rows, then the value rows, of the next key tile's memory rows, asked for while this
+// tile is computed (see KeyAxis::prefetch). The cache lines go out through the micro-kernels'
+// pacing hook (TileOps, NoPacing) in proportion to the flops done: after f of the tile's F
+// flops, floor(L f / F) of its L lines have gone out. Issued in one burst, a tile's lines filled
+// the core's miss buffers and stalled it until most of them had arrived, so the stream and the
+// arithmetic took turns; paced, the stream keeps going while the tile is computed.
+// Cost: one prefetch per cache line of the rows, O(1) per hook call, O(rows) per start.
+template <class Scalar, class Prefetch = CachePrefetch>
+class TileStream {
+ public:
+  static constexpr std::uintptr_t kLine = 64;
+
+  // Memory rows [first, last) of `memory`, to be issued over `flops` flops.
+  void start(const MemoryRows<Scalar>& memory, Index first, Index last, Index flops) {
+    parts_[0] = memory.keys;
+    parts_[1] = memory.values;
+    first_ = first;
+    last_ = last;
+    flops_done_ = 0;
+    flops_total_ = flops;
+    issued_ = 0;
+    total_ = 0;
+    for (const ConstRowsView<Scalar>& rows : parts_)
+      for (Index r = first; r < last; ++r) total_ += lines_of(rows, r);
+    part_ = 0;
+    row_ = first;
+    if (first < last) enter_row();
+  }
+  // The hook: `flops` more flops are about to be spent.
+  void advance(Index flops) {
+    flops_done_ += flops;
+    if (flops_done_ >= flops_total_) {
+      issue_until(total_);
+    } else {
+      issue_until(static_cast<Index>(static_cast<std::int64_t>(total_) * flops_done_ /
+                                     flops_total_));
+    }
+  }
+  // Every line not yet issued.
+  void finish() { issue_until(total_); }
+  Index lines() const { return total_; }
+  Index issued() const { return issued_; }
+
+ private:
+  static std::uintptr_t address(const Scalar* p) { return reinterpret_cast<std::uintptr_t>(p); }
+  static std::uintptr_t bytes(const ConstRowsView<Scalar>& rows) {
+    return static_cast<std::uintptr_t>(rows.cols) * sizeof(Scalar);
+  }
+  // From the line holding the row's first byte to the line holding its last.
+  static Index lines_of(const ConstRowsView<Scalar>& rows, Index r) {
+    const std::uintptr_t begin = address(rows.row(r));
+    return static_cast<Index>((begin % kLine + bytes(rows) + kLine - 1) / kLine);
+  }
+  void enter_row() {
+    const std::uintptr_t begin = address(parts_[part_].row(row_));
+    line_ = begin - begin % kLine;
+    row_end_ = begin + bytes(parts_[part_]);
+  }
+  void issue_until(Index due) {
+    for (; issued_ < due; ++issued_) {
+      Prefetch::line(reinterpret_cast<const void*>(line_));
+      line_ += kLine;
+      if (line_ >= row_end_) {  // the next row: the keys' rows, then the values'
+        if (++row_ == last_) {
+          row_ = first_;
+          ++part_;
+        }
+        if (part_ < 2) enter_row();
+      }
+    }
+  }
+
+  ConstRowsView<Scalar> parts_[2];  // keys, values
+  Index first_ = 0, last_ = 0;
+  Index part_ = 0, row_ = 0;               // the row being issued
+  std::uintptr_t line_ = 0, row_end_ = 0;  // its next line, its end
+  Index issued_ = 0, total_ = 0;           // lines
+  Index flops_done_ = 0, flops_total_ = 0;
+};
+
+// The pacing hook of a read that prefetches: the tile's stream (others pass NoPacing).
+template <class Scalar>
+struct StreamPacing {
+  TileStream<Scalar>* stream;
+  void advance(Index flops) const { stream->advance(flops); }
+};
 
 // The keys of one read on one axis: `pad` empty slots, the Nm memory rows, the Nl local rows.
 // pad = origin mod kBlockKeys, so slot x of one read and slot x of another hold the same
@@ -109,8 +194,8 @@ struct KeyAxis {
   // Set for a grouped-query decode (kPrefetchMinRows above): such a step reads every memory row
   // once, from L3 or DRAM, and the hardware prefetcher alone let the stream stall while a tile
   // was computed (on two threads, 4 rows a tile over 4096 keys took about the one-row read's
-  // time plus the arithmetic's). Each tile asks for its values before its scores and for the
-  // next tile's keys before its P V.
+  // time plus the arithmetic's). Each tile asks for the next tile's memory rows, paced over its
+  // own arithmetic (TileStream).
   bool prefetch = false;
 
   Index memory_begin() const { return pad; }
@@ -146,6 +231,7 @@ template <class Scalar>
 struct TileBuffers {
   AlignedVector<Scalar> q, scores, acc;
   std::vector<SoftmaxStats<Scalar>> stats;
+  TileStream<Scalar> stream;
 
   TileBuffers(Index rows, Index dk, Index dv, Index key_tile)
       : q(static_cast<std::size_t>(rows * dk)),
@@ -168,9 +254,13 @@ struct TileBuffers {
 // far, not the sum: outputs are finite for every finite input. Slots a row does not see are
 // -inf before the exponential, so they add exact zeros: a row's result does not depend on which
 // other rows share its tile.
-template <class Scalar, class Ops>
+//
+// Pacing: StreamPacing where axis.prefetch is set (the tile streams the next one), else
+// NoPacing.
+template <class Scalar, class Ops, class Pacing>
 void fold_key_tile(const KeyAxis<Scalar>& axis, Index tile, Index p0, Index heads, Index bq,
-                   Index dk, Index dv, Scalar beta, TileBuffers<Scalar>& buf) {
+                   Index dk, Index dv, Scalar beta, TileBuffers<Scalar>& buf, Pacing pacing) {
+  constexpr bool kStream = std::is_same_v<Pacing, StreamPacing<Scalar>>;
   constexpr Index kTile = Ops::kKeyTile;
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   const Index k0 = tile * kTile;
@@ -179,15 +269,14 @@ void fold_key_tile(const KeyAxis<Scalar>& axis, Index tile, Index p0, Index head
   Scalar* s = buf.scores.data();
   const Scalar* keys[kTile];
   tile_keys<Scalar, kTile>(axis, tile, keys);
-  if (axis.prefetch) {
-    for (Index j = mem_lo; j < mem_hi; ++j)
-      prefetch_row(axis.memory.values.row(k0 + j - axis.pad), dv);
+  if constexpr (kStream) {  // the next tile's memory rows, over this tile's score and P V flops
+    const Index next_lo = std::max(k0 + kTile, axis.memory_begin()) - axis.pad;
+    const Index next_hi =
+        std::max(std::min(k0 + 2 * kTile, axis.local_begin()) - axis.pad, next_lo);
+    pacing.stream->start(axis.memory, next_lo, next_hi,
+                         2 * bq * (kTile * dk + (mem_hi - mem_lo) * dv));
   }
-  Ops::scores_rows(buf.q.data(), dk, bq, keys, dk, beta, s);
-  if (axis.prefetch) {
-    for (Index j = k0 + kTile; j < std::min(k0 + 2 * kTile, axis.local_begin()); ++j)
-      if (const Scalar* key = axis.key(j)) prefetch_row(key, dk);
-  }
+  Ops::scores_rows(buf.q.data(), dk, bq, keys, dk, beta, s, pacing);
   for (Index r = 0; r < bq; ++r) {
     Scalar* row = s + r * kTile;
     const Index p = p0 + r / heads;
@@ -227,7 +316,8 @@ void fold_key_tile(const KeyAxis<Scalar>& axis, Index tile, Index p0, Index head
   // pass over j either way, so the split changes no sum).
   if (mem_hi > mem_lo)
     Ops::accumulate(s + mem_lo, bq, mem_hi - mem_lo, axis.memory.values.row(k0 + mem_lo - axis.pad),
-                    axis.memory.values.stride, dv, buf.acc.data(), dv);
+                    axis.memory.values.stride, dv, buf.acc.data(), dv, pacing);
+  if constexpr (kStream) pacing.stream->finish();
   const Index loc_lo = std::max(k0, axis.local_begin()) - k0;
   const Index loc_hi = std::max(std::min(k0 + kTile, axis.end()) - k0, loc_lo);
   if (loc_hi > loc_lo)
@@ -299,8 +389,15 @@ void read(const ConstRowsView<Scalar>* q, Index heads, const MemoryRows<Scalar>&
     const Index i0 = tile * positions_per_tile;
     const Index bq = std::min(positions_per_tile, n_pos - i0) * heads;
     buf.clear_state(bq, dv);
-    for (Index t = first; t <= last; ++t)
-      fold_key_tile<Scalar, Ops>(axis, t, mask.query_offset + i0, heads, bq, dk, dv, beta, buf);
+    const Index p0 = mask.query_offset + i0;
+    for (Index t = first; t <= last; ++t) {
+      if (axis.prefetch) {
+        fold_key_tile<Scalar, Ops>(axis, t, p0, heads, bq, dk, dv, beta, buf,
+                                   StreamPacing<Scalar>{&buf.stream});
+      } else {
+        fold_key_tile<Scalar, Ops>(axis, t, p0, heads, bq, dk, dv, beta, buf, NoPacing{});
+      }
+    }
   };
   auto merge_rows = [&](Index bq, Scalar* acc, SoftmaxStats<Scalar>* stats, const Scalar* acc_b,
                         const SoftmaxStats<Scalar>* stats_b) {

@@ -20,6 +20,8 @@
 // fixed tree. The key rows are read in place: a decode step scores each key once, so there is
 // nothing to gain from packing them first. scores_packed is one chain per score in feature order
 // (bitwise the portable scores_rows).
+// scores_rows and accumulate take a pacing hook (NoPacing below by default), through which a
+// decode issues its prefetches between register blocks.
 // TileOps<Scalar, arch::scalar> is plain C++ and always available. The SIMD versions (float,
 // AVX-512 and AVX2+FMA) share one register-blocked template over a small vector wrapper.
 #include <algorithm>
@@ -38,6 +40,15 @@ namespace ovq::kernels {
 
 template <class Scalar, class Arch>
 struct TileOps;
+
+// The micro-kernels' pacing hook: `advance(flops)` runs before each register block (a score
+// block, or a few keys of a P V block) with the flops that block is about to spend; over one
+// call they add up to the call's cost. A decode streaming its memory rows
+// (read_detail::TileStream) issues the next tile's prefetches through it, a few cache lines at
+// a time, spread over this tile's arithmetic. NoPacing does nothing.
+struct NoPacing {
+  void advance(Index /*flops*/) const {}
+};
 
 // a * b + c, rounded the same way in every compiled copy of a kernel: one fused operation where
 // the target has FMA, two roundings where it has none. Left to the compiler, GCC's default
@@ -93,11 +104,13 @@ struct TileOps<Scalar, arch::scalar> {
   }
 
   // keys[j] (d entries each, all non-null). Cost: 2 bq kKeyTile d flops.
+  template <class Pacing = NoPacing>
   static void scores_rows(const Scalar* q, Index q_stride, Index bq, const Scalar* const* keys,
-                          Index d, Scalar beta, Scalar* s) {
+                          Index d, Scalar beta, Scalar* s, Pacing pacing = {}) {
     for (Index i = 0; i < bq; ++i) {
       const Scalar* qi = q + i * q_stride;
       for (Index j = 0; j < kKeyTile; ++j) {
+        pacing.advance(2 * d);
         const Scalar* kj = keys[j];
         Scalar dot = Scalar(0);
         for (Index k = 0; k < d; ++k) dot = fused_multiply_add(qi[k], kj[k], dot);
@@ -134,11 +147,13 @@ struct TileOps<Scalar, arch::scalar> {
   }
 
   // Cost: 2 bq bk dv flops.
+  template <class Pacing = NoPacing>
   static void accumulate(const Scalar* p, Index bq, Index bk, const Scalar* v, Index v_stride,
-                         Index dv, Scalar* acc, Index acc_stride) {
+                         Index dv, Scalar* acc, Index acc_stride, Pacing pacing = {}) {
     for (Index i = 0; i < bq; ++i) {
       Scalar* a = acc + i * acc_stride;
       for (Index j = 0; j < bk; ++j) {
+        pacing.advance(2 * dv);
         const Scalar w = p[i * kKeyTile + j];
         if (w == Scalar(0)) continue;
         const Scalar* vj = v + j * v_stride;
@@ -415,11 +430,13 @@ struct SimdTileOps {
   // (eight keys read side by side, 512 bytes apart, streamed at 7-8 GB/s against 11-12 GB/s
   // key by key here, keys in DRAM); the out-of-order core overlaps the independent chains.
   // Cost: 2 bq kKeyTile d flops.
+  template <class Pacing = NoPacing>
   static void scores_rows(const float* q, Index q_stride, Index bq, const float* const* keys,
-                          Index d, float beta, float* s) {
+                          Index d, float beta, float* s, Pacing pacing = {}) {
     Index i = 0;
     for (; i + 6 <= bq; i += 6) {
       for (Index c = 0; c < kKeyTile; c += 2) {
+        pacing.advance(2 * 6 * 2 * d);
         const auto acc = dot_products<6, 2>(q + i * q_stride, q_stride, keys + c, d);
         // Lanes 2 r and 2 r + 1 of the two groups: row i + r's scores of keys c and c + 1 (rows
         // 0-3 in the first group, 4-5 in the second), stored 64 bits at a time straight from
@@ -437,6 +454,7 @@ struct SimdTileOps {
     }
     for (; i + 2 <= bq; i += 2) {
       for (Index c = 0; c < kKeyTile; c += 4) {
+        pacing.advance(2 * 2 * 4 * d);
         const auto acc = dot_products<2, 4>(q + i * q_stride, q_stride, keys + c, d);
         const __m256 x = reduce_group(acc, 0, beta);
         _mm_storeu_ps(s + i * kKeyTile + c, _mm256_castps256_ps128(x));
@@ -445,6 +463,7 @@ struct SimdTileOps {
     }
     for (; i < bq; ++i) {
       for (Index c = 0; c < kKeyTile; c += 8) {
+        pacing.advance(2 * 8 * d);
         Products<8> acc;
         OVQ_UNROLL
         for (int j = 0; j < 8; ++j)
@@ -500,16 +519,20 @@ struct SimdTileOps {
     return V::reduce_add(sum);
   }
 
+  // Keys between two calls of the pacing hook in a P V block.
+  static constexpr Index kPacingKeys = 4;
+
   // Register block: R rows x C vectors of acc. Cost 2 R bk (C W) flops.
-  template <int R, int C>
+  template <int R, int C, class Pacing>
   static void accumulate_block(const float* p, Index bk, const float* v, Index v_stride,
-                               float* acc, Index acc_stride) {
+                               float* acc, Index acc_stride, Pacing pacing) {
     reg a[R][C];
     OVQ_UNROLL
     for (int i = 0; i < R; ++i)
       OVQ_UNROLL
       for (int c = 0; c < C; ++c) a[i][c] = V::load(acc + i * acc_stride + c * W);
     for (Index j = 0; j < bk; ++j) {
+      if (j % kPacingKeys == 0) pacing.advance(2 * R * C * W * std::min(kPacingKeys, bk - j));
       reg vv[C];
       OVQ_UNROLL
       for (int c = 0; c < C; ++c) vv[c] = V::load(v + j * v_stride + c * W);
@@ -543,26 +566,28 @@ struct SimdTileOps {
   // with runs.
   static constexpr Index kDecodeRun = 4;
 
-  template <int R>
+  template <int R, class Pacing>
   static void accumulate_rows(const float* p, Index bk, const float* v, Index v_stride, Index dv,
-                              float* acc, Index acc_stride) {
+                              float* acc, Index acc_stride, Pacing pacing) {
     constexpr int kCols = accumulate_columns(R);
     if constexpr (R == 1) {
       if (bk > kDecodeRun && dv > kCols * W) {
         for (Index j = 0; j < bk; j += kDecodeRun)
           accumulate_rows<R>(p + j, std::min(kDecodeRun, bk - j), v + j * v_stride, v_stride, dv,
-                             acc, acc_stride);
+                             acc, acc_stride, pacing);
         return;
       }
     }
     Index c = 0;
     for (; c + kCols * W <= dv; c += kCols * W)
-      accumulate_block<R, kCols>(p, bk, v + c, v_stride, acc + c, acc_stride);
+      accumulate_block<R, kCols>(p, bk, v + c, v_stride, acc + c, acc_stride, pacing);
     if constexpr (kCols > 4)
       for (; c + 4 * W <= dv; c += 4 * W)
-        accumulate_block<R, 4>(p, bk, v + c, v_stride, acc + c, acc_stride);
-    for (; c + W <= dv; c += W) accumulate_block<R, 1>(p, bk, v + c, v_stride, acc + c, acc_stride);
+        accumulate_block<R, 4>(p, bk, v + c, v_stride, acc + c, acc_stride, pacing);
+    for (; c + W <= dv; c += W)
+      accumulate_block<R, 1>(p, bk, v + c, v_stride, acc + c, acc_stride, pacing);
     for (; c < dv; ++c) {  // columns past the last full vector: the same chain as the vectors
+      pacing.advance(2 * R * bk);
       OVQ_UNROLL
       for (int i = 0; i < R; ++i) {
         float a = acc[i * acc_stride + c];
@@ -572,16 +597,19 @@ struct SimdTileOps {
     }
   }
 
+  template <class Pacing = NoPacing>
   static void accumulate(const float* p, Index bq, Index bk, const float* v, Index v_stride,
-                         Index dv, float* acc, Index acc_stride) {
+                         Index dv, float* acc, Index acc_stride, Pacing pacing = {}) {
     Index i = 0;
     for (; i + kAccRows <= bq; i += kAccRows)
       accumulate_rows<kAccRows>(p + i * kKeyTile, bk, v, v_stride, dv, acc + i * acc_stride,
-                                acc_stride);
+                                acc_stride, pacing);
     for (; i + 2 <= bq; i += 2)
-      accumulate_rows<2>(p + i * kKeyTile, bk, v, v_stride, dv, acc + i * acc_stride, acc_stride);
+      accumulate_rows<2>(p + i * kKeyTile, bk, v, v_stride, dv, acc + i * acc_stride, acc_stride,
+                         pacing);
     for (; i < bq; ++i)
-      accumulate_rows<1>(p + i * kKeyTile, bk, v, v_stride, dv, acc + i * acc_stride, acc_stride);
+      accumulate_rows<1>(p + i * kKeyTile, bk, v, v_stride, dv, acc + i * acc_stride, acc_stride,
+                         pacing);
   }
 };
 
