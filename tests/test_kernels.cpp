@@ -721,6 +721,119 @@ TEST_CASE("assign_nearest: ties go to the smallest index, no centroid gives -1",
 
 namespace {
 
+// Special values for any_greater: NaN, both infinities, both zeros, the largest finite value,
+// and ordinary ones.
+std::vector<float> special_scores() {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float big = std::numeric_limits<float>::max();
+  return {std::numeric_limits<float>::quiet_NaN(), inf, -inf, 0.0f, -0.0f, big, -big,
+          1.5f, -2.25f, 0.75f, 3.0f};
+}
+
+template <class Arch>
+void check_any_greater() {
+  using Ops = kernels::TileOps<float, Arch>;
+  const std::vector<float> values = special_scores();
+  const auto nv = static_cast<Index>(values.size());
+  std::uint64_t state = 12345;
+  for (Index n : {1, 3, 8, 15, 16, 17, 33, 64}) {
+    for (int trial = 0; trial < 60; ++trial) {
+      std::vector<float> s(static_cast<std::size_t>(n)), o(static_cast<std::size_t>(n));
+      for (Index j = 0; j < n; ++j) {
+        s[j] = values[ovq::detail::splitmix64(state) % nv];
+        o[j] = values[ovq::detail::splitmix64(state) % nv];
+      }
+      // Mostly NaN or -inf rows too, so that "nothing greater" is often the answer.
+      if (trial % 3 == 0)
+        for (Index j = 0; j < n; ++j)
+          if (ovq::detail::splitmix64(state) % 4 != 0) s[j] = trial % 2 ? -values[1] : values[0];
+      for (float t : values) {
+        const float* const offsets[] = {nullptr, o.data()};
+        for (const float* offset : offsets) {
+          bool want = false;
+          for (Index j = 0; j < n; ++j)
+            want = want || (offset != nullptr ? s[j] + offset[j] : s[j]) > t;
+          INFO(Arch::kName << " n " << n << " trial " << trial << " threshold " << t
+                           << (offset ? " with offsets" : ""));
+          CHECK(Ops::any_greater(s.data(), offset, n, t) == want);
+        }
+      }
+    }
+  }
+}
+
+// assign_nearest against the argmax of the same architecture's scores, every tile scanned:
+// skipping the tiles that any_greater rules out must change no bit of best and no index.
+template <class Arch>
+void check_assign_skips_exactly(Index n, Index d, bool with_offset, bool duplicates,
+                                std::uint64_t seed) {
+  using Ops = kernels::TileOps<float, Arch>;
+  constexpr Index kTile = Ops::kKeyTile;
+  const Index rows = 40;
+  const auto x = random_matrix<float>(rows, d, seed);
+  auto c = random_matrix<float>(n, d, seed + 1);
+  if (duplicates)  // every centroid repeated later on: ties across tiles
+    for (Index r = n / 2; r < n; ++r) c.row(r) = c.row(r - n / 2);
+  std::vector<float> offset(static_cast<std::size_t>(n));
+  for (Index r = 0; r < n; ++r) offset[r] = -0.5f * c.row(r).squaredNorm();
+  const float* off = with_offset ? offset.data() : nullptr;
+  std::vector<float> best(static_cast<std::size_t>(rows));
+  std::vector<Index> arg(static_cast<std::size_t>(rows));
+  kernels::assign_nearest<float, Arch>(rows_view(x), rows_view(c), off, best.data(), arg.data());
+  std::vector<float> scores(static_cast<std::size_t>(kTile));
+  for (Index i = 0; i < rows; ++i) {
+    float b = -std::numeric_limits<float>::infinity();
+    Index a = -1;
+    for (Index r0 = 0; r0 < n; r0 += kTile) {
+      const float* keys[kTile];
+      for (Index j = 0; j < kTile; ++j) keys[j] = c.row(r0 + j < n ? r0 + j : r0).data();
+      Ops::scores_rows(x.row(i).data(), d, 1, keys, d, 1.0f, scores.data());
+      for (Index j = 0; j < std::min(kTile, n - r0); ++j) {
+        const float v = off != nullptr ? scores[j] + off[r0 + j] : scores[j];
+        if (v > b || a < 0) {
+          b = v;
+          a = r0 + j;
+        }
+      }
+    }
+    INFO(Arch::kName << " n " << n << " d " << d << " row " << i);
+    CHECK(arg[i] == a);
+    CHECK(std::memcmp(&best[i], &b, sizeof b) == 0);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("any_greater: every architecture answers as the definition, NaN and infinities included",
+          "[kernels][assign]") {
+  check_any_greater<arch::scalar>();
+  check_any_greater<arch::native>();
+#if defined(OVQ_ARCH_AVX2)
+  check_any_greater<test::emulated_avx512>();
+#endif
+}
+
+TEST_CASE("assign_nearest: tiles skipped by any_greater leave best and arg bit for bit",
+          "[kernels][assign]") {
+  std::uint64_t seed = 900;
+  for (Index n : {1, 63, 64, 130, 700}) {
+    for (Index d : {5, 32}) {
+      for (bool with_offset : {false, true}) {
+        for (bool duplicates : {false, true}) {
+          check_assign_skips_exactly<arch::scalar>(n, d, with_offset, duplicates, seed);
+          check_assign_skips_exactly<arch::native>(n, d, with_offset, duplicates, seed);
+#if defined(OVQ_ARCH_AVX2)
+          check_assign_skips_exactly<test::emulated_avx512>(n, d, with_offset, duplicates, seed);
+#endif
+          seed += 3;
+        }
+      }
+    }
+  }
+}
+
+namespace {
+
 // One float forward of a fresh state over t seeded tokens, with Mixer<float, Arch>.
 template <template <class, class> class Mixer, class Arch, class Options, class MakeState>
 RowMatrix<float> seeded_forward(const Options& options, MakeState make_state, Index t, Index dk,

@@ -9,7 +9,8 @@
 //
 // OVQ uses offset = none (k . D_k[r]); VQ uses offset = -|C_r|^2 / 2, for which the argmax is
 // the argmin of |k - C_r|^2. Rows of x with no centroid get best = -inf, arg = -1.
-// Shapes: x (L x d), C (n x d), offset (n), best and arg (L). Cost: 2 L n d flops.
+// Shapes: x (L x d), C (n x d), offset (n), best and arg (L). Cost: 2 L n d flops, plus L n
+// vector compares and a scalar pass over the tiles where a row's best improves.
 #include <algorithm>
 #include <limits>
 #include <vector>
@@ -19,10 +20,43 @@
 
 namespace ovq::kernels {
 
+namespace assign_detail {
+
+// Folds one row's scores s[0, n) (plus offset[0, n) when given) for centroids r0 ... r0 + n - 1
+// into its running (best, arg). Strictly greater wins, so on ties the smallest index stays; the
+// first centroid is taken whatever its score (arg < 0: none yet), so even an overflowing score
+// gets an assignment. The running pair is kept in locals (updated through the references, the
+// loop reloaded arg from memory on every step, GCC 12).
+template <class Scalar>
+inline void argmax_update(const Scalar* s, const Scalar* offset, Index n, Index r0, Scalar& best,
+                          Index& arg) {
+  Scalar b = best;
+  Index a = arg;
+  Index j = 0;
+  auto score = [&](Index c) { return offset != nullptr ? s[c] + offset[c] : s[c]; };
+  if (a < 0 && n > 0) {
+    b = score(0);
+    a = r0;
+    j = 1;
+  }
+  for (; j < n; ++j) {
+    const Scalar v = score(j);
+    if (v > b) {
+      b = v;
+      a = r0 + j;
+    }
+  }
+  best = b;
+  arg = a;
+}
+
+}  // namespace assign_detail
+
 template <class Scalar, class Arch = arch::native>
 void assign_nearest(ConstRowsView<Scalar> x, ConstRowsView<Scalar> centroids,
                     const Scalar* offset, Scalar* best, Index* arg) {
   using Ops = TileOps<Scalar, Arch>;
+  using assign_detail::argmax_update;
   constexpr Index kTile = Ops::kKeyTile;
   constexpr Index kRows = 32;  // rows of x per score tile
   const Index n = centroids.rows;
@@ -44,19 +78,15 @@ void assign_nearest(ConstRowsView<Scalar> x, ConstRowsView<Scalar> centroids,
       const Scalar* rows[kTile];
       for (Index j = 0; j < kTile; ++j) rows[j] = centroids.row(r0 + (j < br ? j : 0));
       Ops::scores_rows(x_rows.data(), d, bq, rows, d, Scalar(1), scores.data());
+      const Scalar* tile_offset = offset != nullptr ? offset + r0 : nullptr;
       for (Index i = 0; i < bq; ++i) {
-        const Scalar* s = scores.data() + i * kTile;
-        Scalar& b = best[i0 + i];
-        Index& a = arg[i0 + i];
-        for (Index j = 0; j < br; ++j) {
-          const Scalar v = offset != nullptr ? s[j] + offset[r0 + j] : s[j];
-          // Strictly greater: on ties the smallest centroid index wins. The first centroid
-          // always wins against -inf, so even an overflowing score gets an assignment.
-          if (v > b || a < 0) {
-            b = v;
-            a = r0 + j;
-          }
-        }
+        const Scalar* row = scores.data() + i * kTile;
+        // Most tiles hold no score above the row's running best (centroids in random order:
+        // a row's best improves in about ln(n / kTile) + 1 of its n / kTile tiles, the
+        // expected number of records): one vector pass says so, and only the other tiles run
+        // the argmax's scalar loop.
+        if (arg[i0 + i] >= 0 && !Ops::any_greater(row, tile_offset, br, best[i0 + i])) continue;
+        argmax_update(row, tile_offset, br, r0, best[i0 + i], arg[i0 + i]);
       }
     }
   }

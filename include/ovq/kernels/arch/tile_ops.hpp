@@ -8,6 +8,8 @@
 //   exp_sum        s[j] = exp(s[j] - m) over one score row (kKeyTile entries), returns sum_j s[j]
 //   scale          x[c] *= f over n entries (exact: each product rounds once, in any order)
 //   accumulate     acc[i][:] += sum_j P[i][j] V[j][:]    P: bq x kKeyTile, V: bk x dv
+//   any_greater    whether s[j] (+ o[j]) > t for some j < n: lets the assignment's argmax skip
+//                  a score row that cannot change its running best (exact: a NaN never wins)
 // and, for linear attention's chunk products, which score many rows against the same keys:
 //   scores_packed  S[i][j] = beta q_i . K[j]        K^T panel (d x kKeyTile, key fastest), from
 //                                                   pack_key_panels
@@ -135,6 +137,13 @@ struct TileOps<Scalar, arch::scalar> {
 
   static void scale(Scalar* x, Index n, Scalar f) {
     for (Index c = 0; c < n; ++c) x[c] *= f;
+  }
+
+  // offset may be null (no offset). Cost: n compares (and n adds with an offset).
+  static bool any_greater(const Scalar* s, const Scalar* offset, Index n, Scalar threshold) {
+    for (Index j = 0; j < n; ++j)
+      if ((offset != nullptr ? s[j] + offset[j] : s[j]) > threshold) return true;
+    return false;
   }
 
   static Scalar exp_sum(Scalar* s, Scalar m) {
@@ -499,6 +508,26 @@ struct SimdTileOps {
       slot = V::add(slot, V::set1(static_cast<float>(W)));
     }
     return V::reduce_max(largest);
+  }
+
+  // The largest score, NaNs left out (V::max(x, m) keeps m when x is NaN), against the
+  // threshold: true exactly when some score is greater, as in the portable loop (a zero's sign
+  // cannot change the answer). offset may be null. Cost: n compares.
+  static bool any_greater(const float* s, const float* offset, Index n, float threshold) {
+    const float kNegInf = -std::numeric_limits<float>::infinity();
+    reg largest = V::set1(kNegInf);
+    const Index n_main = n - n % W;
+    for (Index j = 0; j < n_main; j += W) {
+      const reg x =
+          offset != nullptr ? V::add(V::load(s + j), V::load(offset + j)) : V::load(s + j);
+      largest = V::max(x, largest);
+    }
+    float m = V::reduce_max(largest);
+    for (Index j = n_main; j < n; ++j) {
+      const float x = offset != nullptr ? s[j] + offset[j] : s[j];
+      if (x > m) m = x;
+    }
+    return m > threshold;
   }
 
   static void scale(float* x, Index n, float f) {
