@@ -124,13 +124,16 @@ def rebase_frac_sgemm(results):
     """Divides every case of one process by the best sgemm rate of that whole process.
 
     The binaries' own frac_sgemm counter divides by the best BM_Peak_sgemm rate measured so far
-    when the case ran, i.e. by the first measurement alone; BM_Peak_sgemm/at:end runs after the
-    cases, and the best of both (all repetitions) is the process's reference here. A process
-    whose first measurement ran while another tenant held the cores thus keeps a fair reference.
-    Without any BM_Peak_sgemm result (filtered out) the counters are left as measured.
+    when the case ran (its sgemm_GFLOPS counter), i.e. by the first measurement alone;
+    BM_Peak_sgemm/at:end runs after the cases. The reference here is the best of the reported
+    sgemm results (all repetitions) and of every case's own reference, so a case's frac_sgemm
+    here is never above its counter, and a process whose first measurement ran while another
+    tenant held the cores keeps a fair reference.
     """
     rates = [r.counter("GFLOPS") for r in results
              if r.family == SGEMM_FAMILY and not r.error and r.counter("GFLOPS") > 0]
+    rates += [r.counter("sgemm_GFLOPS") for r in results
+              if not r.error and r.counter("sgemm_GFLOPS", 0) > 0]
     if not rates:
         return
     ref = max(rates)
