@@ -415,9 +415,9 @@ inline constexpr double kWarmUpFlops = 100e9;
 // copy of `start` (one state per kv head) when given. The reset or copy is untimed; inputs and
 // outputs exist (and are touched) before the timed loop.
 //
-// A call of at most kWarmUpFlops (about a second on one thread here) is made once, untimed,
-// before the timed loop, so that every timed call is a steady-state call: states' memory already
-// mapped, the thread team started. Such a case often times one or two calls only, and a process's
+// A call of at most kWarmUpFlops (VQ's 53 GFLOP call took 1.0 to 1.4 s on one thread here) is
+// made once, untimed, before the timed loop, so that every timed call is a steady-state call:
+// states' memory already mapped, the thread team started. Such a case often times one or two calls only, and a process's
 // first call also pays for faulting in fresh memory (a self-attention cache at T = 4096 on 8 heads
 // is 32 MB; faulting in 32 MB took 21 to 28 ms on this VM). Longer cases are timed from their
 // first call: there that cost is a small share of the call.

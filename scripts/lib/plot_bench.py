@@ -557,13 +557,21 @@ def write_report(directory, args, main, scaling, contexts, memory, problems, plo
     sg = [(b, r) for (b, _), r in main.items() if r.family == SGEMM_FAMILY and not r.error]
     if sg:
         # Per binary: the first measurement, then the one after the cases ("at end").
-        by_binary = {}
+        # Per binary: the first measurement, the one after the cases ("at end"), and the
+        # reference frac_sgemm divides by (rebase_frac_sgemm: their best, or a case's own
+        # reference when a sizing call, not in the JSON, was faster).
+        by_binary, reference = {}, {}
         for b, r in sg:
             by_binary.setdefault(b, []).append(
                 f"{fmt(r.counter('GFLOPS'))}" + (" at end" if r.args.get("at") == "end" else ""))
+        for (b, _), r in main.items():
+            if "sgemm_GFLOPS" in r.raw and not r.error:
+                reference[b] = r.counter("sgemm_GFLOPS")
         lines.append("- sgemm reference (BM_Peak_sgemm, 2048^3, Eigen, per binary, before and "
-                     "after its cases; frac_sgemm divides by the better): " + ", ".join(
-                         f"{b}: {' / '.join(v)} GFLOPS" for b, v in by_binary.items()))
+                     "after its cases, then the rate frac_sgemm divides by): " + ", ".join(
+                         f"{b}: {' / '.join(v)}"
+                         + (f"; {fmt(reference[b])}" if b in reference else "") + " GFLOPS"
+                         for b, v in by_binary.items()))
         # On an idle machine the main thread computes the whole time; a share well below 1 means
         # other processes held the cores, and every number here is slower and noisier.
         share = [r.raw.get("cpu_time", 0) / r.raw["real_time"] for _, r in sg
