@@ -16,6 +16,9 @@
 // Threads: --threads=N (or --threads N) on the command line, else OVQ_BENCH_THREADS, else
 // OpenMP's default (all cores, or OMP_NUM_THREADS). It sets OpenMP's default, Eigen's GEMM
 // threads and MultiHead::set_threads alike. Without OpenMP everything runs on one thread.
+// --thread-counts=A,B,... instead registers every case once per count, named
+// <case>/nthreads:<count> and run on that many threads, so that one process can compare thread
+// counts (scripts/bench's thread scaling interleaves their repetitions at random).
 //
 // Names carry Google Benchmark style arguments, so a result is found by mixer, phase and shape:
 //   BM_<Mixer>_prefill/T:<tokens>/<mixer parameters>/d:<head dim>/H:<heads>       (Hq = Hkv)
@@ -35,8 +38,10 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <map>
 #include <memory>
 #include <ovq/ovq.hpp>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -74,6 +79,35 @@ inline int default_threads() {
 #endif
 }
 
+// The thread counts of --thread-counts; empty: every case runs on configured_threads() and keeps
+// its plain name.
+inline std::vector<int>& compared_thread_counts() {
+  static std::vector<int> counts;
+  return counts;
+}
+
+// "1,2" -> {1, 2}. Throws std::invalid_argument naming the flag unless every count is a whole
+// number from 1 to 1024 and no count repeats.
+inline std::vector<int> parse_thread_counts(const char* text) {
+  std::vector<int> counts;
+  const char* p = text;
+  while (true) {
+    char* end = nullptr;
+    const long count = std::strtol(p, &end, 10);
+    if (end == p || count < 1 || count > 1024 || (*end != ',' && *end != '\0'))
+      throw std::invalid_argument(std::string("--thread-counts: expected a comma-separated "
+                                              "list of thread counts from 1 to 1024, got \"") +
+                                  text + "\"");
+    if (std::find(counts.begin(), counts.end(), static_cast<int>(count)) != counts.end())
+      throw std::invalid_argument(std::string("--thread-counts: ") + std::to_string(count) +
+                                  " appears twice in \"" + text + "\"");
+    counts.push_back(static_cast<int>(count));
+    if (*end == '\0') break;
+    p = end + 1;
+  }
+  return counts;
+}
+
 // Takes --threads=N / --threads N out of argv (Google Benchmark rejects unknown flags).
 inline int parse_threads(int& argc, char** argv) {
   int threads = 0;
@@ -93,6 +127,33 @@ inline int parse_threads(int& argc, char** argv) {
   argv[argc] = nullptr;
   return threads > 0 ? threads : default_threads();
 }
+
+// Takes --thread-counts=A,B,... out of argv into compared_thread_counts() (the kernel binaries;
+// the streaming memory check has one thread count).
+inline void parse_compared_thread_counts(int& argc, char** argv) {
+  int out = 1;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], "--thread-counts=", 16) == 0) {
+      compared_thread_counts() = parse_thread_counts(argv[i] + 16);
+    } else {
+      argv[out++] = argv[i];
+    }
+  }
+  argc = out;
+  argv[argc] = nullptr;
+}
+
+// Runs one case on `threads` threads and puts the process's count back afterwards.
+class ScopedThreads {
+ public:
+  explicit ScopedThreads(int threads) : saved_(configured_threads()) { apply_threads(threads); }
+  ~ScopedThreads() { apply_threads(saved_); }
+  ScopedThreads(const ScopedThreads&) = delete;
+  ScopedThreads& operator=(const ScopedThreads&) = delete;
+
+ private:
+  int saved_;
+};
 
 // ---------------------------------------------------------------------------------------------
 // Seeded inputs
@@ -168,9 +229,11 @@ inline double sgemm_flops() {
   return 2.0 * n * n * n;
 }
 
+// The best sgemm rate measured so far on the current thread count (0 until one is measured):
+// with --thread-counts a process measures one per count, and each case divides by its own.
 inline double& sgemm_gflops() {
-  static double rate = 0.0;
-  return rate;
+  static std::map<int, double> rate_by_threads;
+  return rate_by_threads[configured_threads()];
 }
 
 struct SgemmOperands {
@@ -389,19 +452,34 @@ inline std::string case_name(const std::string& base,
 }
 
 // Registers one case: milliseconds, real time. Errors thrown by the library end the case with a
-// message instead of the whole run.
-inline benchmark::internal::Benchmark* add_case(const std::string& name,
-                                                std::function<void(benchmark::State&)> fn) {
-  auto guarded = [fn = std::move(fn)](benchmark::State& st) {
-    try {
-      fn(st);
-    } catch (const std::exception& e) {
-      st.SkipWithError(e.what());
-    }
+// message instead of the whole run. With --thread-counts, one case per count instead, named
+// name + "/nthreads:<count>" and run on that many threads.
+inline void add_case(const std::string& name, std::function<void(benchmark::State&)> fn) {
+  auto guarded = [](std::function<void(benchmark::State&)> body, int threads) {
+    return [body = std::move(body), threads](benchmark::State& st) {
+      try {
+        if (threads > 0) {
+          ScopedThreads scope(threads);
+          body(st);
+        } else {
+          body(st);
+        }
+      } catch (const std::exception& e) {
+        st.SkipWithError(e.what());
+      }
+    };
   };
-  return benchmark::RegisterBenchmark(name.c_str(), guarded)
-      ->Unit(benchmark::kMillisecond)
-      ->UseRealTime();
+  auto add = [](const std::string& full_name, std::function<void(benchmark::State&)> run) {
+    benchmark::RegisterBenchmark(full_name.c_str(), std::move(run))
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
+  };
+  if (compared_thread_counts().empty()) {
+    add(name, guarded(std::move(fn), 0));
+    return;
+  }
+  for (const int threads : compared_thread_counts())
+    add(name + "/nthreads:" + std::to_string(threads), guarded(fn, threads));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -535,6 +613,12 @@ void run_decode(benchmark::State& st, const Mixer& mixer, const ovq::MultiHead<M
 
 inline int run_main(int argc, char** argv, const std::function<void()>& register_cases) {
   apply_threads(parse_threads(argc, argv));
+  try {
+    parse_compared_thread_counts(argc, argv);
+  } catch (const std::invalid_argument& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return 2;
+  }
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::AddCustomContext("ovq_version", std::to_string(OVQ_VERSION_MAJOR) + "." +
@@ -557,18 +641,14 @@ inline int run_main(int argc, char** argv, const std::function<void()>& register
 #endif
   benchmark::AddCustomContext("eigen_simd", Eigen::SimdInstructionSetsInUse());
   // First, so that every later case divides by this run's own rate.
-  benchmark::RegisterBenchmark("BM_Peak_sgemm", BM_Peak_sgemm)
-      ->Unit(benchmark::kMillisecond)
-      ->UseRealTime();
+  add_case("BM_Peak_sgemm", BM_Peak_sgemm);
   register_cases();
   // Last, so that the process's reference is the best of a measurement before its cases and one
   // after them: a binary that measured its first sgemm while another tenant held the cores (its
   // frac_sgemm then above 1, for a kernel of the same work as Eigen's) is not left with that
   // reference alone. The in-process counters divide by the best rate so far; the report divides
   // every case by the best of both (scripts/lib/plot_bench.py).
-  benchmark::RegisterBenchmark("BM_Peak_sgemm/at:end", BM_Peak_sgemm)
-      ->Unit(benchmark::kMillisecond)
-      ->UseRealTime();
+  add_case("BM_Peak_sgemm/at:end", BM_Peak_sgemm);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

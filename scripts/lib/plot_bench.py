@@ -4,7 +4,9 @@
     plot_bench.py DIR [--mode quick|full] [--run-seconds S] [--build-seconds S] [--commit C]
 
 Reads DIR/bench_<mixer>.json (Google Benchmark), the thread-scaling rounds
-DIR/bench_<mixer>.scaling<R>.t<N>.json and DIR/bench_ovq_memory.json, and writes DIR/report.md with the headline table (measured value,
+DIR/bench_<mixer>.scaling<R>.json (cases named .../nthreads:<count>; rounds written before the
+thread counts shared a process, DIR/bench_<mixer>.scaling<R>.t<N>.json, are read too) and
+DIR/bench_ovq_memory.json, and writes DIR/report.md with the headline table (measured value,
 target, pass/fail) and every result, plus DIR/prefill.png and DIR/decode.png when matplotlib is
 available (the report says so when it is not). Only the standard library is needed otherwise.
 """
@@ -68,8 +70,11 @@ class Result:
             else:
                 flags.append(p)
         # The name as the issue spells it: without Google Benchmark's /real_time and friends.
+        # nthreads (the thread-scaling runs' thread count) is kept in `nthreads`, not the name.
         self.name = "/".join([self.family] + [f"{k}:{v}" for k, v in self.args.items()
-                                              if k not in ("iterations", "min_time", "repeats")])
+                                              if k not in ("iterations", "min_time", "repeats",
+                                                           "nthreads")])
+        self.nthreads = self.args.get("nthreads")
         self.error = raw.get("error_occurred", False)
         self.error_message = raw.get("error_message", "")
         self.time_ms = raw.get("real_time", float("nan")) * TO_MS.get(raw.get("time_unit", "ns"),
@@ -143,11 +148,14 @@ def rebase_frac_sgemm(results):
             r.raw["sgemm_GFLOPS"] = ref
 
 
-SCALING_FILE = re.compile(r"^(bench_\w+)\.scaling(\d+)\.t(\d+)\.json$")
+# Round R of the thread-scaling comparison: both thread counts in one process (names ending in
+# /nthreads:<count>), or, from runs before that, one process per thread count (.t<N>).
+SCALING_FILE = re.compile(r"^(bench_\w+)\.scaling(\d+)(?:\.t(\d+))?\.json$")
 
 
 def load(directory):
-    """main: {(binary, name): Result}; scaling: {name: {threads: [Result, one per round]}}."""
+    """main: {(binary, name): Result};
+    scaling: {name: {threads: {round: [Result, one per repetition]}}}."""
     main, scaling, contexts, problems = {}, {}, {}, []
     for path in sorted(glob.glob(os.path.join(directory, "bench_*.json"))):
         base = os.path.basename(path)
@@ -159,9 +167,12 @@ def load(directory):
             continue
         m = SCALING_FILE.match(base)
         if m:
+            binary, round_ = m.group(1), int(m.group(2))
             for r in results:
-                if not r.error:
-                    scaling.setdefault(r.name, {}).setdefault(int(m.group(3)), []).append(r)
+                threads = int(m.group(3)) if m.group(3) else r.nthreads
+                if not r.error and isinstance(threads, int):
+                    (scaling.setdefault(r.name, {}).setdefault(threads, {})
+                     .setdefault((binary, round_), []).append(r))
             continue
         contexts[base] = context
         rebase_frac_sgemm(results)
@@ -360,8 +371,10 @@ def headline(main, scaling, memory):
     v, detail = None, ""
     if pairs:
         v = min(p.speedup for p in pairs)
+        reps = pairs[0].repetitions
         detail = (" (min over cases of the best time on 1 thread / best on "
-                  f"{pairs[0].threads}, {pairs[0].rounds} rounds; "
+                  f"{pairs[0].threads}, {pairs[0].rounds} rounds of {reps} "
+                  f"repetition{'' if reps == 1 else 's'}; "
                   + ", ".join(f"{short_name(p.name)}: {fmt(p.speedup)}" for p in pairs) + ")")
     threads = pairs[0].threads if pairs else thread_count(main)
     rows.append((f"Prefill, {threads} threads vs 1 thread: speedup", fmt(v) + detail,
@@ -409,16 +422,24 @@ def thread_count(main):
 
 
 class ScalingPair:
-    """One case of the thread-scaling rounds: the best time on 1 thread and on `threads`."""
+    """One case of the thread-scaling rounds: the best time on 1 thread and on `threads`.
+
+    one, many: {round: [Result, one per repetition]} on 1 thread and on `threads`.
+    """
 
     def __init__(self, name, phase, threads, one, many):
         self.name, self.phase, self.threads = name, phase, threads
-        self.rounds = min(len(one), len(many))
-        self.best_one = min(r.time_ms for r in one)
-        self.best_many = min(r.time_ms for r in many)
+        rounds = sorted(set(one) & set(many))
+        self.rounds = len(rounds)
+        self.repetitions = min(len(one[k]) for k in rounds) if rounds else 0
+        self.best_one = min(r.time_ms for k in rounds for r in one[k])
+        self.best_many = min(r.time_ms for k in rounds for r in many[k])
         self.speedup = self.best_one / self.best_many
-        # Rounds are run back to back (1 thread, then N), so each has its own ratio too.
-        self.per_round = [a.time_ms / b.time_ms for a, b in zip(one, many)]
+        # Both thread counts of a round ran together, so each round has its own ratio too.
+        self.per_round = [min(r.time_ms for r in one[k]) / min(r.time_ms for r in many[k])
+                          for k in rounds]
+        # Runs before --thread-counts had one process per thread count (no nthreads argument).
+        self.shared_process = any(r.nthreads is not None for k in rounds for r in one[k])
 
 
 def thread_pairs(scaling):
@@ -429,7 +450,9 @@ def thread_pairs(scaling):
         if 1 not in by_threads or not many:
             continue
         t = max(many)
-        phase = by_threads[1][0].phase
+        if not set(by_threads[1]) & set(by_threads[t]):
+            continue
+        phase = next(iter(by_threads[1].values()))[0].phase
         pairs.append(ScalingPair(name, phase, t, by_threads[1], by_threads[t]))
     return pairs
 
@@ -616,11 +639,19 @@ def write_report(directory, args, main, scaling, contexts, memory, problems, plo
     lines.append("## Thread scaling (prefill)")
     lines.append("")
     pairs = thread_pairs(scaling)
-    if pairs:
+    if pairs and not pairs[0].shared_process:
         lines.append("Each round runs the cases on 1 thread and then on the main runs' threads, "
                      "back to back; the speedup is the best 1-thread time over the best "
                      "multi-thread time. `BM_Peak_sgemm` (Eigen's GEMM) is the machine's own "
                      "reference: what two threads of this machine gave at that time.")
+    elif pairs:
+        lines.append("Each round runs every binary once, with its cases on 1 thread and on the "
+                     "main runs' threads (`--thread-counts`), their repetitions interleaved at "
+                     "random; the speedup is the best 1-thread time over the best multi-thread "
+                     "time, and each round's own ratio is listed. `BM_Peak_sgemm` (Eigen's "
+                     "GEMM) is the machine's own reference: what two threads of this machine "
+                     "gave at that time.")
+    if pairs:
         lines.append("")
         lines.append("| benchmark | threads | best (ms) | best on 1 thread (ms) | speedup | "
                      "per round |")
