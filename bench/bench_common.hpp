@@ -101,6 +101,13 @@ inline std::vector<int> parse_thread_counts(const char* text) {
     if (std::find(counts.begin(), counts.end(), static_cast<int>(count)) != counts.end())
       throw std::invalid_argument(std::string("--thread-counts: ") + std::to_string(count) +
                                   " appears twice in \"" + text + "\"");
+#if !defined(OVQ_HAS_OPENMP)
+    // Without OpenMP every case runs on one thread: a larger count would only mislabel it.
+    if (count > 1)
+      throw std::invalid_argument(std::string("--thread-counts: this binary was built without "
+                                              "OpenMP, so the only count is 1, got \"") +
+                                  text + "\"");
+#endif
     counts.push_back(static_cast<int>(count));
     if (*end == '\0') break;
     p = end + 1;
