@@ -40,6 +40,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <ovq/ovq.hpp>
 #include <stdexcept>
 #include <string>
@@ -263,8 +264,9 @@ inline double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-// The rate kernel benchmarks divide by: BM_Peak_sgemm's, or measured here once when the filter
-// left BM_Peak_sgemm out (untimed: this runs after a benchmark's timed loop).
+// The rate kernel benchmarks divide by: BM_Peak_sgemm's, or measured here once when no
+// BM_Peak_sgemm has run on this thread count yet (the filter left it out, or random
+// interleaving ran a case first; untimed: this runs after a benchmark's timed loop).
 inline double reference_gflops() {
   if (sgemm_gflops() > 0.0) return sgemm_gflops();
   SgemmOperands& op = sgemm_operands();
@@ -276,8 +278,10 @@ inline double reference_gflops() {
     benchmark::DoNotOptimize(op.c.data());
   }
   sgemm_gflops() = sgemm_flops() * kRepeats / seconds_since(t0) / 1e9;
-  std::fprintf(stderr, "ovq bench: BM_Peak_sgemm not run; measured sgemm once: %.1f GFLOPS\n",
-               sgemm_gflops());
+  std::fprintf(stderr,
+               "ovq bench: no BM_Peak_sgemm result yet on %d thread(s); measured sgemm once: "
+               "%.1f GFLOPS\n",
+               configured_threads(), sgemm_gflops());
   return sgemm_gflops();
 }
 
@@ -465,12 +469,9 @@ inline void add_case(const std::string& name, std::function<void(benchmark::Stat
   auto guarded = [](std::function<void(benchmark::State&)> body, int threads) {
     return [body = std::move(body), threads](benchmark::State& st) {
       try {
-        if (threads > 0) {
-          ScopedThreads scope(threads);
-          body(st);
-        } else {
-          body(st);
-        }
+        std::optional<ScopedThreads> scope;  // empty: the process's thread count
+        if (threads > 0) scope.emplace(threads);
+        body(st);
       } catch (const std::exception& e) {
         st.SkipWithError(e.what());
       }
@@ -502,10 +503,11 @@ inline constexpr double kWarmUpFlops = 100e9;
 //
 // A call of at most kWarmUpFlops (VQ's 53 GFLOP call took 1.0 to 1.4 s on one thread here) is
 // made once, untimed, before the timed loop, so that every timed call is a steady-state call:
-// states' memory already mapped, the thread team started. Such a case often times one or two calls only, and a process's
-// first call also pays for faulting in fresh memory (a self-attention cache at T = 4096 on 8 heads
-// is 32 MB; faulting in 32 MB took 21 to 28 ms on this VM). Longer cases are timed from their
-// first call: there that cost is a small share of the call.
+// states' memory already mapped, the thread team started. Such a case often times one or two
+// calls only, and a process's first call also pays for faulting in fresh memory (a
+// self-attention cache at T = 4096 on 8 heads is 32 MB; faulting in 32 MB took 21 to 28 ms on
+// this VM). Longer cases are timed from their first call: there that cost is a small share of
+// the call.
 template <class Mixer>
 void run_prefill(benchmark::State& st, ovq::MultiHead<Mixer>& layer, Index tokens,
                  double flops_per_iteration,
