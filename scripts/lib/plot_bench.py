@@ -3,7 +3,9 @@
 
     plot_bench.py DIR [--mode quick|full] [--run-seconds S] [--build-seconds S] [--commit C]
 
-Reads DIR/bench_<mixer>.json (Google Benchmark), the thread-scaling rounds
+Reads DIR/bench_<mixer>.json (Google Benchmark), the paired decode runs
+DIR/bench_<mixer>.paired.json (the decode cases of the headline's time ratios, their
+repetitions interleaved at random; merged with the binary's results), the thread-scaling rounds
 DIR/bench_<mixer>.scaling<R>.json (cases named .../nthreads:<count>; rounds written before the
 thread counts shared a process, DIR/bench_<mixer>.scaling<R>.t<N>.json, are read too) and
 DIR/bench_ovq_memory.json, and writes DIR/report.md with the headline table (measured value,
@@ -77,6 +79,7 @@ class Result:
         self.nthreads = self.args.get("nthreads")
         self.error = raw.get("error_occurred", False)
         self.error_message = raw.get("error_message", "")
+        self.paired = False  # from a paired decode run (set by load)
         self.time_ms = raw.get("real_time", float("nan")) * TO_MS.get(raw.get("time_unit", "ns"),
                                                                     1e-6)
         self.iterations = raw.get("iterations", 0)
@@ -151,6 +154,8 @@ def rebase_frac_sgemm(results):
 # Round R of the thread-scaling comparison: both thread counts in one process (names ending in
 # /nthreads:<count>), or, from runs before that, one process per thread count (.t<N>).
 SCALING_FILE = re.compile(r"^(bench_\w+)\.scaling(\d+)(?:\.t(\d+))?\.json$")
+# The paired decode runs: cases the main run of the binary leaves out.
+PAIRED_FILE = re.compile(r"^(bench_\w+)\.paired\.json$")
 
 
 def load(directory):
@@ -174,9 +179,12 @@ def load(directory):
                     (scaling.setdefault(r.name, {}).setdefault(threads, {})
                      .setdefault((binary, round_), []).append(r))
             continue
-        contexts[base] = context
+        paired = bool(PAIRED_FILE.match(base))
+        if not paired:
+            contexts[base] = context
         rebase_frac_sgemm(results)
         for r in results:
+            r.paired = paired
             # Repetitions (--benchmark_repetitions) give a case several results: the best time
             # is kept, with how many there were.
             key = (base.split(".")[0], r.name)
@@ -324,12 +332,19 @@ def headline(main, scaling, memory):
                  fmt(v) + detail, f">= {TARGETS['linear_frac']}",
                  verdict(v, TARGETS["linear_frac"], ">=")))
 
+    # A time ratio of two cases: how the report got their times, when both came from a paired
+    # run (their repetitions interleaved in one process).
+    def interleaved(a, b):
+        if not (a.paired and b.paired):
+            return ""
+        return f"; best of {min(a.repetitions, b.repetitions)} interleaved repetitions each"
+
     g, h = (r.get(n) for n in ("BM_SelfAttention_decode/ctx:4096/d:128/Hq:32/Hkv:8",
                                "BM_SelfAttention_decode/ctx:4096/d:128/H:8"))
     v, detail = None, ""
     if g and h:
         v = g.time_ms / h.time_ms
-        detail = f" ({fmt(g.time_ms)} vs {fmt(h.time_ms)} ms/step)"
+        detail = f" ({fmt(g.time_ms)} vs {fmt(h.time_ms)} ms/step{interleaved(g, h)})"
     rows.append(("Decode step, self-attention, Hq/Hkv=32/8 vs 8/8 at context 4096: time ratio",
                  fmt(v) + detail, f"<= {TARGETS['gqa_decode']}",
                  verdict(v, TARGETS["gqa_decode"], "<=")))
@@ -341,7 +356,8 @@ def headline(main, scaling, memory):
         if not (a and b):
             return None, ""
         return a.time_ms / b.time_ms, (f" ({fmt(a.time_ms)} vs {fmt(b.time_ms)} ms/step; "
-                                       f"dictionary {fmt_rows(a)} and {fmt_rows(b)} of 2048 rows)")
+                                       f"dictionary {fmt_rows(a)} and {fmt_rows(b)} of 2048 rows"
+                                       f"{interleaved(a, b)})")
 
     v, detail = decode_ratio("BM_OVQ_decode_full")
     rows.append(("Decode step, OVQ at capacity N=2048 d=128 H=8, context 64k vs 4k "
@@ -588,7 +604,7 @@ def write_report(directory, args, main, scaling, contexts, memory, problems, plo
             by_binary.setdefault(b, []).append(
                 f"{fmt(r.counter('GFLOPS'))}" + (" at end" if r.args.get("at") == "end" else ""))
         for (b, _), r in main.items():
-            if "sgemm_GFLOPS" in r.raw and not r.error:
+            if "sgemm_GFLOPS" in r.raw and not r.error and not r.paired:
                 reference[b] = r.counter("sgemm_GFLOPS")
         lines.append("- sgemm reference (BM_Peak_sgemm, 2048^3, Eigen, per binary, before and "
                      "after its cases, then the rate frac_sgemm divides by): " + ", ".join(
@@ -604,10 +620,17 @@ def write_report(directory, args, main, scaling, contexts, memory, problems, plo
                          "1 on an idle machine): " + ", ".join(fmt(x, 2) for x in share)
                          + (" -- **the machine was busy: times are inflated and noisy**"
                             if min(share) < 0.8 else ""))
-    reps = max((r.repetitions for r in main.values()), default=1)
+    reps = max((r.repetitions for r in main.values() if not r.paired), default=1)
     if reps > 1:
         lines.append(f"- repetitions: every case ran {reps} times in a row; each number below is "
                      "from its fastest repetition (the sgemm reference too)")
+    paired = sorted(short_name(r.name) for r in main.values() if r.paired)
+    if paired:
+        n = max(r.repetitions for r in main.values() if r.paired)
+        lines.append(f"- paired decode runs: {', '.join(f'`{p}`' for p in paired)} ran "
+                     f"{n} times each in a process per binary, their repetitions interleaved at "
+                     "random, so that the two cases of a decode time ratio see the same load; "
+                     "each keeps its fastest")
     if args.run_seconds is not None:
         lines.append(f"- wall time: runs {args.run_seconds} s, build {args.build_seconds} s")
     lines.append("")
@@ -711,7 +734,8 @@ def main():
     main_results, scaling, contexts, memory, problems = load(args.directory)
     if not main_results:
         problems.append("no benchmark results found")
-    plot_note = plot(args.directory, main_results) if main_results else "plots not drawn: no results"
+    plot_note = (plot(args.directory, main_results) if main_results
+                 else "plots not drawn: no results")
     write_report(args.directory, args, main_results, scaling, contexts, memory, problems,
                  plot_note)
     print(f"report: {os.path.join(args.directory, 'report.md')}"
