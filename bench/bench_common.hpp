@@ -550,7 +550,7 @@ inline constexpr Index kContextBlock = 1024;
 // absorbed once: a new one starts from a copy of the longest shorter context of its key. The
 // most a binary keeps is self-attention's four caches of 1k to 64k tokens (8 kv heads, d = 128,
 // with their spare rows); with the timed copy of the 64k one, the decode cases of
-// bench_self_attention peak at 1.9 GB resident.
+// bench_self_attention peak at about 2 GB resident.
 template <class Mixer>
 const ovq::MultiHead<Mixer>& absorbed_context(const std::string& key, Index ctx,
                                               const std::function<ovq::MultiHead<Mixer>()>& make) {
