@@ -557,12 +557,15 @@ const ovq::MultiHead<Mixer>& absorbed_context(const std::string& key, Index ctx,
   static std::map<std::pair<std::string, Index>, std::unique_ptr<ovq::MultiHead<Mixer>>> cache;
   auto found = cache.find({key, ctx});
   if (found != cache.end()) return *found->second;
-  // The longest context of this key shorter than ctx, if any (the map is ordered by ctx).
-  auto shorter = cache.lower_bound({key, ctx});
-  const bool extend = shorter != cache.begin() && std::prev(shorter)->first.first == key;
-  auto layer = extend ? std::make_unique<ovq::MultiHead<Mixer>>(*std::prev(shorter)->second)
+  // The longest context of this key shorter than ctx, if any: the map orders a key's contexts
+  // by length, so it is the entry just before the place of (key, ctx).
+  const auto next = cache.lower_bound({key, ctx});
+  auto shorter = next == cache.begin() ? cache.end() : std::prev(next);
+  if (shorter != cache.end() && shorter->first.first != key) shorter = cache.end();
+  const bool extend = shorter != cache.end();
+  auto layer = extend ? std::make_unique<ovq::MultiHead<Mixer>>(*shorter->second)
                       : std::make_unique<ovq::MultiHead<Mixer>>(make());
-  const Index start = extend ? std::prev(shorter)->first.second : 0;
+  const Index start = extend ? shorter->first.second : 0;
   layer->set_threads(configured_threads());
   const Index hkv = layer->kv_heads();
   Matrix k(hkv * kContextBlock, layer->key_dim());
