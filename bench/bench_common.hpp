@@ -3,10 +3,8 @@
 // FLOP counts, counters, and the prefill/decode drivers around MultiHead (batch 1).
 //
 // Each binary registers BM_Peak_sgemm first and BM_Peak_sgemm/at:end last (Google Benchmark
-// runs benchmarks in registration order; with --benchmark_enable_random_interleaving, as in
-// scripts/bench's quick runs, both run among the cases instead), so every run carries its own
-// reference rate: Eigen's fp32 GEMM on this machine, with the same threads, in the same process.
-// Kernel benchmarks report
+// runs benchmarks in registration order), so every run carries its own reference rate: Eigen's
+// fp32 GEMM on this machine, with the same threads, in the same process. Kernel benchmarks report
 //   GFLOPS        FLOPs the mathematics needs (causal half only; formulas in namespace flops) / s
 //   frac_sgemm    GFLOPS / the best BM_Peak_sgemm rate of this process so far (measured lazily,
 //                 once, when a filter left BM_Peak_sgemm out); scripts/bench's report divides

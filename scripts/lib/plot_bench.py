@@ -610,22 +610,19 @@ def write_report(directory, args, main, scaling, contexts, memory, problems, plo
                  f"{', '.join(fmt(x) for x in ctx.get('load_avg', [])) or '?'}")
     sg = [(b, r) for (b, _), r in main.items() if r.family == SGEMM_FAMILY and not r.error]
     if sg:
+        # Per binary: the first measurement, then the one after the cases ("at end").
         # Per binary: the first measurement, the one after the cases ("at end"), and the
         # reference frac_sgemm divides by (rebase_frac_sgemm: their best, or a case's own
-        # reference when a sizing call, not in the JSON, was faster). Interleaved, both
-        # BM_Peak_sgemm cases ran among the others, in random order.
+        # reference when a sizing call, not in the JSON, was faster).
         by_binary, reference = {}, {}
         for b, r in sg:
-            at_end = r.args.get("at") == "end" and not args.interleaved
             by_binary.setdefault(b, []).append(
-                f"{fmt(r.counter('GFLOPS'))}" + (" at end" if at_end else ""))
+                f"{fmt(r.counter('GFLOPS'))}" + (" at end" if r.args.get("at") == "end" else ""))
         for (b, _), r in main.items():
             if "sgemm_GFLOPS" in r.raw and not r.error and not r.paired:
                 reference[b] = r.counter("sgemm_GFLOPS")
-        when = ("its two sgemm cases' best rates, run among its cases in random order"
-                if args.interleaved else "before and after its cases")
-        lines.append(f"- sgemm reference (BM_Peak_sgemm, 2048^3, Eigen, per binary, {when}, "
-                     "then the rate frac_sgemm divides by): " + ", ".join(
+        lines.append("- sgemm reference (BM_Peak_sgemm, 2048^3, Eigen, per binary, before and "
+                     "after its cases, then the rate frac_sgemm divides by): " + ", ".join(
                          f"{b}: {' / '.join(v)}"
                          + (f"; {fmt(reference[b])}" if b in reference else "") + " GFLOPS"
                          for b, v in by_binary.items()))
@@ -640,10 +637,8 @@ def write_report(directory, args, main, scaling, contexts, memory, problems, plo
                             if min(share) < 0.8 else ""))
     reps = max((r.repetitions for r in main.values() if not r.paired), default=1)
     if reps > 1:
-        order = ("interleaved at random with the other cases' of its binary" if args.interleaved
-                 else "in a row")
-        lines.append(f"- repetitions: every case ran {reps} times, {order}; each number below "
-                     "is from its fastest repetition (the sgemm reference too)")
+        lines.append(f"- repetitions: every case ran {reps} times in a row; each number below is "
+                     "from its fastest repetition (the sgemm reference too)")
     paired = sorted(short_name(r.name) for r in main.values() if r.paired)
     if paired:
         n = max(r.repetitions for r in main.values() if r.paired)
@@ -659,8 +654,7 @@ def write_report(directory, args, main, scaling, contexts, memory, problems, plo
                  "and the seeding, with the dictionary size given by the growth schedule "
                  "(fixed at N for the `_full` cases, which start from a full dictionary). "
                  "frac_sgemm divides by the best sgemm rate measured in the same process, "
-                 + ("among its cases" if args.interleaved else "before and after its cases")
-                 + ". Names "
+                 "before and after its cases. Names "
                  "below drop Google Benchmark's `/real_time` suffix. Time is wall time.")
     lines.append("")
     lines.append("## Headline")
@@ -754,8 +748,6 @@ def main():
     ap.add_argument("--build-seconds", type=int, default=0)
     ap.add_argument("--commit", default="")
     ap.add_argument("--failed", default="", help="runs that exited non-zero")
-    ap.add_argument("--interleaved", action="store_true",
-                    help="the main runs' repetitions were interleaved at random across cases")
     args = ap.parse_args()
     main_results, scaling, contexts, memory, problems = load(args.directory)
     if not main_results:
