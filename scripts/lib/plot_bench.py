@@ -610,7 +610,6 @@ def write_report(directory, args, main, scaling, contexts, memory, problems, plo
                  f"{', '.join(fmt(x) for x in ctx.get('load_avg', [])) or '?'}")
     sg = [(b, r) for (b, _), r in main.items() if r.family == SGEMM_FAMILY and not r.error]
     if sg:
-        # Per binary: the first measurement, then the one after the cases ("at end").
         # Per binary: the first measurement, the one after the cases ("at end"), and the
         # reference frac_sgemm divides by (rebase_frac_sgemm: their best, or a case's own
         # reference when a sizing call, not in the JSON, was faster).
