@@ -1,13 +1,24 @@
 #pragma once
 // The only file that reads compiler and ISA macros. Everything else tests OVQ_* macros.
 //
-//   OVQ_ARCH_AVX512 / OVQ_ARCH_AVX2 / OVQ_ARCH_NEON   what the compiler targets
+//   OVQ_ARCH_AVX512 / OVQ_ARCH_AVX2 / OVQ_ARCH_NEON   what the host compiler targets
 //   OVQ_DONT_VECTORIZE                                define to force the portable kernels
 //   OVQ_HOST_DEVICE                                   marks math shared by host and CUDA code
+//   OVQ_DEVICE_PASS                                   nvcc is compiling for the GPU
+//   OVQ_HAS_FMA                                       a fused multiply-add is one instruction
 //   OVQ_HAS_OPENMP                                    the consumer compiles with OpenMP
 //   OVQ_UNROLL                                        unroll the next (fixed-count) loop fully
+//
+// nvcc compiles a .cu file twice, once for the host and once for the device (__CUDA_ARCH__).
+// The host pass sees the host compiler's ISA macros (-Xcompiler -march=native defines
+// __AVX512F__ in both passes), so the ISA macros and the host compilers' pragmas are only ever
+// set outside the device pass: device code never sees an x86 intrinsic or a GCC pragma.
 
-#if !defined(OVQ_DONT_VECTORIZE)
+#if defined(__CUDA_ARCH__)
+#define OVQ_DEVICE_PASS 1
+#endif
+
+#if !defined(OVQ_DONT_VECTORIZE) && !defined(OVQ_DEVICE_PASS)
 #if defined(__AVX512F__)
 #define OVQ_ARCH_AVX512 1
 #endif
@@ -19,18 +30,23 @@
 #endif
 #endif
 
+// Every GPU has fused multiply-adds; a host has them where the compiler targets FMA.
+#if defined(OVQ_DEVICE_PASS) || defined(__FMA__)
+#define OVQ_HAS_FMA 1
+#endif
+
 #if defined(__CUDACC__)
 #define OVQ_HOST_DEVICE __host__ __device__
 #else
 #define OVQ_HOST_DEVICE
 #endif
 
-#if defined(_OPENMP)
+#if defined(_OPENMP) && !defined(OVQ_DEVICE_PASS)
 #define OVQ_HAS_OPENMP 1
 #include <omp.h>
 #endif
 
-#if defined(__GNUC__) || defined(__clang__)
+#if defined(__GNUC__) || defined(__clang__) || defined(__CUDACC__)
 #define OVQ_RESTRICT __restrict__
 #else
 #define OVQ_RESTRICT
@@ -38,9 +54,15 @@
 
 // Register blocks are arrays of vectors indexed by loops with compile-time counts. They only
 // stay in registers once those loops are unrolled, which GCC does at -O3 but not at -O2 (the
-// arrays then live on the stack and every FMA goes through memory, about 3x slower). The
-// micro-kernels ask for it, so that a consumer's -O2 build gets the same code as -O3.
-#if defined(__clang__)
+// arrays then live on the stack and every FMA goes through memory). The micro-kernels ask for
+// it, so that a consumer's -O2 build gets the same code as -O3. The device pass has nvcc's own
+// pragma; the host pass of nvcc has none (its front end rejects GCC's spelling and forwards
+// nvcc's to GCC, which rejects that), so host code in a .cu file needs -O3 for its register blocks.
+#if defined(OVQ_DEVICE_PASS)
+#define OVQ_UNROLL _Pragma("unroll")
+#elif defined(__CUDACC__)
+#define OVQ_UNROLL
+#elif defined(__clang__)
 #define OVQ_UNROLL _Pragma("unroll")
 #elif defined(__GNUC__)
 #define OVQ_UNROLL _Pragma("GCC unroll 16")

@@ -27,6 +27,8 @@ ovq__have() {
       [[ -f /usr/include/eigen3/Eigen/Core || -f /usr/local/include/eigen3/Eigen/Core ]] && return 0 ;;
     catch2)
       [[ -f /usr/local/include/catch2/catch.hpp || -f /usr/local/include/catch2/catch_all.hpp ]] && return 0 ;;
+    python3-numpy)
+      [[ -x /usr/bin/python3 ]] && /usr/bin/python3 -c 'import numpy' >/dev/null 2>&1 && return 0 ;;
     libbenchmark-dev)
       [[ -f /usr/local/include/benchmark/benchmark.h ]] && return 0 ;;
     libclang-rt-dev)

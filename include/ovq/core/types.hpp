@@ -1,5 +1,6 @@
 #pragma once
-// Matrices, vectors and the non-owning row views the kernels work on.
+// Matrices and vectors of the public API, and the bridges between them and the row views the
+// kernels work on (core/views.hpp).
 //
 // Everything is row-major (tokens x features): a token is one contiguous row, as in NumPy and
 // PyTorch. Public entry points take Eigen::Ref, so a row-major Eigen matrix, a block of one, or an
@@ -11,10 +12,9 @@
 #include <vector>
 
 #include "ovq/config.hpp"
+#include "ovq/core/views.hpp"
 
 namespace ovq {
-
-using Index = std::ptrdiff_t;
 
 template <class Scalar>
 using RowMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
@@ -41,26 +41,6 @@ using AlignedVector = std::vector<T, Eigen::aligned_allocator<T>>;
 template <class Scalar>
 inline constexpr bool is_supported_scalar_v =
     std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>;
-
-// A strided block of rows: row i starts at data + i * stride. Kernels take these so that they
-// do not depend on Eigen's expression types (and so that CUDA code can share them).
-template <class Scalar>
-struct RowsView {
-  Scalar* data = nullptr;
-  Index rows = 0;
-  Index cols = 0;
-  Index stride = 0;
-
-  OVQ_HOST_DEVICE Scalar* row(Index i) const { return data + i * stride; }
-  OVQ_HOST_DEVICE RowsView middle_rows(Index first, Index count) const {
-    return {data + first * stride, count, cols, stride};
-  }
-  // A view of the same rows as read-only.
-  operator RowsView<const Scalar>() const { return {data, rows, cols, stride}; }
-};
-
-template <class Scalar>
-using ConstRowsView = RowsView<const Scalar>;
 
 template <class Derived>
 auto rows_view(const Eigen::DenseBase<Derived>& m)

@@ -11,6 +11,12 @@
 // the argmin of |k - C_r|^2. Rows of x with no centroid get best = -inf, arg = -1.
 // Shapes: x (L x d), C (n x d), offset (n), best and arg (L). Cost: 2 L n d flops, plus L n
 // vector compares and a scalar pass over the tiles where a row's best improves.
+//
+// score_row_against scores one row against many (OVQ's seeding scores the chunk's keys against
+// each new centroid) with the same micro-kernel, the row as the query: x . C[r] and C[r] . x
+// are the same bits (the micro-kernels' per-score operations are products, commutative, summed
+// in an order fixed by the feature index), so a new centroid is scored exactly as it would be
+// among the old ones.
 #include <algorithm>
 #include <limits>
 #include <vector>
@@ -89,6 +95,24 @@ void assign_nearest(ConstRowsView<Scalar> x, ConstRowsView<Scalar> centroids,
         argmax_update(row, tile_offset, br, r0, best[i0 + i], arg[i0 + i]);
       }
     }
+  }
+}
+
+// out[j] = x . rows[j] for the n rows of `rows` (x: d entries). Cost: 2 n d flops.
+template <class Scalar, class Arch = arch::native>
+void score_row_against(const Scalar* x, ConstRowsView<Scalar> rows, Scalar* out) {
+  using Ops = TileOps<Scalar, Arch>;
+  constexpr Index kTile = Ops::kKeyTile;
+  const Index n = rows.rows;
+  const Index d = rows.cols;
+  alignas(64) Scalar scores[kTile];
+  for (Index j0 = 0; j0 < n; j0 += kTile) {
+    const Index bj = std::min(kTile, n - j0);
+    // Slots past the last row repeat row j0; their scores are not kept.
+    const Scalar* keys[kTile];
+    for (Index j = 0; j < kTile; ++j) keys[j] = rows.row(j0 + (j < bj ? j : 0));
+    Ops::scores_rows(x, d, 1, keys, d, Scalar(1), scores);
+    std::copy(scores, scores + bj, out + j0);
   }
 }
 

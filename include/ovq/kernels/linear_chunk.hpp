@@ -120,11 +120,17 @@ const Scalar* padded_copy(const Scalar* src, Index rows, Index cols, Index src_s
 
 }  // namespace linear_detail
 
+// phi(k_j) of a chunk's rows as linear_chunk_read takes them: panels of the architecture's key
+// tile (pack_key_panels). Cost: L dk copies.
+template <class Scalar, class Arch>
+void pack_linear_keys(ConstRowsView<Scalar> phi_k, AlignedVector<Scalar>& panels) {
+  pack_key_panels<Scalar, TileOps<Scalar, Arch>::kKeyTile>(phi_k, panels);
+}
+
 // Reads query rows [first, first + n) of a chunk (chunk-local positions) for `heads` query heads
 // q[h] (n x dk) into o[h] (n x dv); the state is not changed.
 //   key_panels  phi(k_j) for the chunk's rows j in [0, first + n), packed by
-//               pack_key_panels into panels of TileOps<Scalar, Arch>::kKeyTile
-//               keys from the chunk's first row
+//               pack_linear_keys<Scalar, Arch> from the chunk's first row
 //   values      v_j for j in [0, first + n)
 //   kv, k_sum   S (dk x dv) and z (dk) of the chunks before this one
 //   powers      g^i for i in [0, first + n]

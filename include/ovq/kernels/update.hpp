@@ -1,5 +1,7 @@
 #pragma once
-// The sparse centroid update: only rows with at least one new member change.
+// The group and update phases of a dictionary write (OVQ's chunk write, VQ's mean values): the
+// chunk rows grouped by centroid, then the sparse centroid update (only rows with at least one
+// new member change), the counts, and OVQ's optional renormalisation.
 //
 // For each row r with cnt_r > 0 members among the chunk rows x_i (a_i = r), count c_r before:
 //   adaptive: D[r] += (sum_{a_i = r} x_i - cnt_r D[r]) / (c_r + cnt_r)
@@ -8,11 +10,13 @@
 //   constant: D[r] = (1 - eta) D[r] + eta * mean_{a_i = r} x_i
 // Shapes: D (n x d), x (L x d), a (L), counts (n, before the update). Cost: O(L d).
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
 
 #include "ovq/core/types.hpp"
+#include "ovq/state/dictionary_rows.hpp"
 #include "ovq/state/policies.hpp"
 
 namespace ovq::kernels {
@@ -86,6 +90,35 @@ void scatter_mean_update(RowsView<Scalar> dict, const std::int64_t* counts_befor
                                         eta * (sum[static_cast<std::size_t>(c)] * inv_cnt));
     }
   }
+}
+
+// c_r += members for every touched centroid (counts and log counts): the count update of both
+// dictionary writes, after their row updates (which read the counts from before).
+template <class Scalar>
+void add_group_counts(const DictionaryRows<Scalar>& d, const AssignmentGroups& groups) {
+  for (Index g = 0; g < groups.size(); ++g) {
+    const Index r = groups.rows[static_cast<std::size_t>(g)];
+    set_count(d, r, d.counts[r] + groups.members(g));
+  }
+}
+
+// row /= |row| (d entries), unless the row is 0. The norm is taken of the row scaled by its
+// largest magnitude, so rows near the largest finite value do not overflow. Cost: O(d).
+template <class Scalar>
+OVQ_HOST_DEVICE void renormalize_row(Scalar* row, Index d) {
+  Scalar scale = Scalar(0);
+  for (Index c = 0; c < d; ++c) {
+    const Scalar a = row[c] < Scalar(0) ? -row[c] : row[c];
+    if (a > scale) scale = a;
+  }
+  if (!(scale > Scalar(0))) return;
+  Scalar sum = Scalar(0);
+  for (Index c = 0; c < d; ++c) {
+    const Scalar x = row[c] / scale;
+    sum = std::fma(x, x, sum);
+  }
+  const Scalar norm = scale * std::sqrt(sum);
+  for (Index c = 0; c < d; ++c) row[c] /= norm;
 }
 
 }  // namespace ovq::kernels

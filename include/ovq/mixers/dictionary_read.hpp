@@ -3,7 +3,7 @@
 // query head read the dictionary (memory rows, bias log count) and then the raw rows of the
 // current chunk, causally, the first of them at chunk position `offset`.
 #include "ovq/core/types.hpp"
-#include "ovq/kernels/read.hpp"
+#include "ovq/kernels/executor.hpp"
 #include "ovq/mixers/mixer_base.hpp"
 #include "ovq/state/dictionary.hpp"
 
@@ -17,8 +17,8 @@ void read_dictionary_and_chunk(const Dictionary<Scalar>& dict, ConstRowsView<Sca
   const kernels::MemoryRows<Scalar> memory{dict.keys(), dict.values(), dict.log_counts()};
   const kernels::LocalRows<Scalar> local{chunk_keys, chunk_values};
   const kernels::ReadMask mask{true, offset, 0};
-  kernels::read<Scalar, Arch>(slice_heads(q, heads, pos, len).data(), heads, memory, local, mask,
-                              beta, slice_heads(o, heads, pos, len).data());
+  kernels::Executor<Scalar, Arch>::read(slice_heads(q, heads, pos, len).data(), heads, memory,
+                                        local, mask, beta, slice_heads(o, heads, pos, len).data());
 }
 
 }  // namespace ovq::detail

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "ovq/core/checks.hpp"
-#include "ovq/kernels/linear_chunk.hpp"
+#include "ovq/kernels/executor.hpp"
 #include "ovq/mixers/mixer_base.hpp"
 #include "ovq/state/linear_state.hpp"
 
@@ -80,7 +80,8 @@ class LinearAttention
     if (state.pending() > 0) {
       RowMatrix<Scalar> phi_k;
       kernels::feature_map_rows(options_.feature_map, state.pending_keys(), phi_k);
-      kernels::linear_chunk_write(phi_k, state.pending_values(), out.kv, out.k_sum, powers_);
+      kernels::Executor<Scalar, Arch>::linear_write(phi_k, state.pending_values(), out.kv, out.k_sum,
+                                                    powers_);
     }
     return out;
   }
@@ -88,7 +89,7 @@ class LinearAttention
   void forward_unchecked(State& state, const ConstRowsView<Scalar>* q, Index heads,
                          ConstRowsView<Scalar> k, ConstRowsView<Scalar> v,
                          const RowsView<Scalar>* o) const {
-    using Ops = kernels::TileOps<Scalar, Arch>;
+    using Exec = kernels::Executor<Scalar, Arch>;
     const kernels::LinearChunkParams<Scalar> params{
         static_cast<Scalar>(options_.beta), static_cast<Scalar>(options_.decay),
         options_.normalize, static_cast<Scalar>(options_.eps)};
@@ -104,16 +105,14 @@ class LinearAttention
       if (heads > 0 || complete)
         kernels::feature_map_rows(options_.feature_map, state.pending_keys(), phi_k);
       if (heads > 0) {
-        kernels::pack_key_panels<Scalar, Ops::kKeyTile>(
-            {phi_k.data(), phi_k.rows(), dk, dk}, panels);
-        kernels::linear_chunk_read<Scalar, Arch>(
-            detail::slice_heads(q, heads, pos, len).data(), heads, offset, options_.feature_map,
-            panels.data(), state.pending_values(), state.kv(), state.k_sum(), powers_, params,
-            detail::slice_heads(o, heads, pos, len).data());
+        Exec::pack_linear_keys({phi_k.data(), phi_k.rows(), dk, dk}, panels);
+        Exec::linear_read(detail::slice_heads(q, heads, pos, len).data(), heads, offset,
+                          options_.feature_map, panels.data(), state.pending_values(), state.kv(),
+                          state.k_sum(), powers_, params,
+                          detail::slice_heads(o, heads, pos, len).data());
       }
       if (complete) {
-        kernels::linear_chunk_write(phi_k, state.pending_values(), state.kv(), state.k_sum(),
-                                    powers_);
+        Exec::linear_write(phi_k, state.pending_values(), state.kv(), state.k_sum(), powers_);
         state.complete_chunk();
       }
       pos += len;

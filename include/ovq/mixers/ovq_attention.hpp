@@ -10,7 +10,7 @@
 #include <algorithm>
 
 #include "ovq/core/checks.hpp"
-#include "ovq/kernels/ovq_write.hpp"
+#include "ovq/kernels/executor.hpp"
 #include "ovq/mixers/dictionary_read.hpp"
 #include "ovq/mixers/mixer_base.hpp"
 #include "ovq/state/ovq_state.hpp"
@@ -79,8 +79,9 @@ class OvqAttention : public MixerBase<OvqAttention<Scalar, Arch>, Scalar, OvqSta
                                                       pos, len, beta, o);
 
       if (state.pending() == chunk) {
-        kernels::ovq_write_chunk<Scalar, Arch>(state.dictionary(), state.absorbed(),
-                                               state.pending_keys(), state.pending_values(), write);
+        kernels::Executor<Scalar, Arch>::ovq_write(state.dictionary(), state.absorbed(),
+                                                   state.pending_keys(), state.pending_values(),
+                                                   write);
         state.complete_chunk();
       }
       pos += len;

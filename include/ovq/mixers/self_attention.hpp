@@ -13,7 +13,7 @@
 #include <algorithm>
 
 #include "ovq/core/checks.hpp"
-#include "ovq/kernels/read.hpp"
+#include "ovq/kernels/executor.hpp"
 #include "ovq/mixers/mixer_base.hpp"
 #include "ovq/state/kv_cache.hpp"
 
@@ -73,8 +73,9 @@ class SelfAttention : public MixerBase<SelfAttention<Scalar, Arch>, Scalar, KvCa
                                                state.tokens() - state.size()};
       const kernels::LocalRows<Scalar> local{k.middle_rows(c0, len), v.middle_rows(c0, len)};
       const kernels::ReadMask mask{options_.causal, 0, options_.window};
-      kernels::read<Scalar, Arch>(detail::slice_heads(q, heads, c0, len).data(), heads, memory,
-                                  local, mask, beta, detail::slice_heads(o, heads, c0, len).data());
+      kernels::Executor<Scalar, Arch>::read(detail::slice_heads(q, heads, c0, len).data(), heads,
+                                            memory, local, mask, beta,
+                                            detail::slice_heads(o, heads, c0, len).data());
       state.append(local.keys, local.values);
     }
   }

@@ -15,8 +15,7 @@
 #include <vector>
 
 #include "ovq/core/checks.hpp"
-#include "ovq/kernels/assign.hpp"
-#include "ovq/kernels/update.hpp"
+#include "ovq/kernels/executor.hpp"
 #include "ovq/mixers/dictionary_read.hpp"
 #include "ovq/mixers/mixer_base.hpp"
 #include "ovq/state/vq_state.hpp"
@@ -62,6 +61,7 @@ class VqAttention : public MixerBase<VqAttention<Scalar, Arch>, Scalar, VqState<
   void forward_unchecked(State& state, const ConstRowsView<Scalar>* q, Index heads,
                          ConstRowsView<Scalar> k, ConstRowsView<Scalar> v,
                          const RowsView<Scalar>* o) const {
+    using Exec = kernels::Executor<Scalar, Arch>;
     const Scalar beta = static_cast<Scalar>(options_.beta);
     const Index chunk = options_.chunk;
     const Index most = std::min(chunk, k.rows);
@@ -71,8 +71,8 @@ class VqAttention : public MixerBase<VqAttention<Scalar, Arch>, Scalar, VqState<
     for (Index pos = 0; pos < k.rows;) {
       const Index offset = state.pending();
       const Index len = std::min(chunk - offset, k.rows - pos);
-      kernels::assign_nearest<Scalar, Arch>(k.middle_rows(pos, len), state.codebook(),
-                                            state.neg_half_norms(), best.data(), code.data());
+      Exec::assign_nearest(k.middle_rows(pos, len), state.codebook(), state.neg_half_norms(),
+                           best.data(), code.data());
       state.push_pending(code.data(), v.middle_rows(pos, len));
 
       detail::read_dictionary_and_chunk<Scalar, Arch>(state.dictionary(), state.pending_keys(),
@@ -80,14 +80,7 @@ class VqAttention : public MixerBase<VqAttention<Scalar, Arch>, Scalar, VqState<
                                                       pos, len, beta, o);
 
       if (state.pending() == chunk) {
-        Dictionary<Scalar>& d = state.dictionary();
-        groups.build(state.pending_codes(), chunk, d.size());
-        kernels::scatter_mean_update<Scalar>(d.values(), d.counts(), groups,
-                                             state.pending_values(), UpdateRate::adaptive());
-        for (Index g = 0; g < groups.size(); ++g) {
-          const Index r = groups.rows[static_cast<std::size_t>(g)];
-          d.set_count(r, d.count(r) + groups.members(g));
-        }
+        Exec::vq_write(state.dictionary(), state.pending_codes(), state.pending_values(), groups);
         state.complete_chunk();
       }
       pos += len;

@@ -14,6 +14,7 @@
 
 #include "ovq/core/checks.hpp"
 #include "ovq/core/types.hpp"
+#include "ovq/state/dictionary_rows.hpp"
 
 namespace ovq {
 
@@ -59,11 +60,21 @@ class Dictionary {
     return total;
   }
 
-  void set_count(Index r, std::int64_t c) {
-    counts_[static_cast<std::size_t>(r)] = c;
-    // log of the exact integer, in double, then rounded once to Scalar.
-    log_counts_[static_cast<std::size_t>(r)] =
-        c > 0 ? static_cast<Scalar>(std::log(static_cast<double>(c))) : kNegInf;
+  void set_count(Index r, std::int64_t c) { ovq::set_count(rows(), r, c); }
+
+  // Every row, active or not, as plain views: what the write phases work on. Rows they open
+  // become active through set_size().
+  DictionaryRows<Scalar> rows() {
+    return {{keys_.data(), capacity(), key_dim(), key_dim()},
+            {values_.data(), capacity(), value_dim(), value_dim()},
+            counts_.data(),
+            log_counts_.data()};
+  }
+  // Rows [0, n) are active (n <= capacity, rows [size(), n) written through rows()).
+  void set_size(Index n) {
+    detail::require(n >= 0 && n <= capacity(), "Dictionary::set_size", "n = ", n,
+                    ", expected a value in [0, ", capacity(), "]");
+    size_ = n;
   }
 
   // Opens row n with the given key and value and a count of `count`.

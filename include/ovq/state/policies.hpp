@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "ovq/core/checks.hpp"
+#include "ovq/core/random.hpp"
 #include "ovq/core/types.hpp"
 
 namespace ovq {
@@ -81,15 +82,4 @@ struct UpdateRate {
   }
 };
 
-namespace detail {
-
-// splitmix64: a small, well-mixed generator; state-free draws keep streaming == chunked.
-inline std::uint64_t splitmix64(std::uint64_t& x) {
-  std::uint64_t z = (x += 0x9e3779b97f4a7c15ULL);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
-
-}  // namespace detail
 }  // namespace ovq

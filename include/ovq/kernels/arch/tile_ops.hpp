@@ -58,7 +58,7 @@ struct NoPacing {
 // different call shape (decode vs prefill) would get different bits.
 template <class Scalar>
 inline Scalar fused_multiply_add(Scalar a, Scalar b, Scalar c) {
-#if defined(__FMA__)
+#if defined(OVQ_HAS_FMA)
   return std::fma(a, b, c);
 #else
   const Scalar product = a * b;

@@ -1,0 +1,34 @@
+#pragma once
+// The non-owning row views every kernel works on, without Eigen: the same struct describes rows
+// in host memory (CPU kernels) and in device memory (CUDA kernels).
+//
+// A view is a strided block of rows: row i starts at data + i * stride, and holds `cols` entries.
+// Everything is row-major (tokens x features): a token is one contiguous row, as in NumPy and
+// PyTorch.
+#include <cstddef>
+
+#include "ovq/config.hpp"
+
+namespace ovq {
+
+using Index = std::ptrdiff_t;
+
+template <class Scalar>
+struct RowsView {
+  Scalar* data = nullptr;
+  Index rows = 0;
+  Index cols = 0;
+  Index stride = 0;
+
+  OVQ_HOST_DEVICE Scalar* row(Index i) const { return data + i * stride; }
+  OVQ_HOST_DEVICE RowsView middle_rows(Index first, Index count) const {
+    return {data + first * stride, count, cols, stride};
+  }
+  // A view of the same rows as read-only.
+  OVQ_HOST_DEVICE operator RowsView<const Scalar>() const { return {data, rows, cols, stride}; }
+};
+
+template <class Scalar>
+using ConstRowsView = RowsView<const Scalar>;
+
+}  // namespace ovq

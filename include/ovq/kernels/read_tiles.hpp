@@ -1,0 +1,387 @@
+#pragma once
+// The CPU executor of the read contract (kernels/read_contract.hpp): a tile loop over stacked
+// query rows and key tiles, on the per-architecture micro-kernels (TileOps).
+//
+// Same bits however the stream was cut: keys (memory rows, then local rows) are tiled on their
+// absolute positions, every score is computed by one micro-kernel whatever the number of
+// queries, and key tiles are folded in merge blocks of kBlockKeys positions whose (o, m, l)
+// states are merged in order. So a query's output depends only on the keys it sees, not on the
+// other queries of its call, the number of threads or whether it came through forward() or
+// step().
+//
+// Grouped queries: `heads` query heads that read the same memory are stacked into one tile
+// (row (i, h) at position i), so every key/value tile is loaded once for the whole group.
+//
+// Shapes: q[h] (Tq x dk), Km (Nm x dk), Vm (Nm x dv), bias (Nm), Kl (Nl x dk), Vl (Nl x dv),
+// o[h] (Tq x dv). Cost: 2 heads Tq (Nm' + Nl') (dk + dv) flops, Nm' and Nl' the visible rows
+// (the causal half only: tiles no query of a tile sees are skipped). Keys and values are read in
+// place (TileOps::scores_rows), nothing is packed.
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "ovq/core/online_softmax.hpp"
+#include "ovq/core/threads.hpp"
+#include "ovq/core/types.hpp"
+#include "ovq/kernels/arch/tile_ops.hpp"
+#include "ovq/kernels/read_contract.hpp"
+#include "ovq/kernels/tile_stream.hpp"
+
+namespace ovq::kernels {
+
+namespace read_detail {
+
+// Stacked query rows per tile: 64 rows of scores (16 KiB in float) and of the output
+// accumulator stay in L1/L2 while the key tiles stream past.
+inline constexpr Index kStackedRows = 64;
+using kernels::kBlockKeys;
+
+// The key axis of one read (the contract's geometry) with the rows behind its slots.
+template <class Scalar>
+struct KeyAxis : KeyAxisGeometry {
+  MemoryRows<Scalar> memory;
+  LocalRows<Scalar> local;  // only the rows some query can see
+  // Set for a grouped-query decode over a long memory (kPrefetchMinRows): such a step reads
+  // every memory row once, from L3 or DRAM, and the hardware prefetcher alone lets the stream
+  // stall while a tile is computed. Each tile asks for the next tile's memory rows, paced over
+  // its own arithmetic (TileStream).
+  bool prefetch = false;
+
+  const Scalar* key(Index slot) const {
+    if (slot < pad || slot >= end()) return nullptr;
+    return slot < local_begin() ? memory.keys.row(slot - pad) : local.keys.row(slot - local_begin());
+  }
+};
+
+// The key rows of tile `tile` (slots [tile kTile, tile kTile + kTile)). A slot past either end
+// holds no key: it gets another key of the tile, whose score no query sees (the mask sets it to
+// -inf), so the micro-kernel never branches. A visited tile always holds a key.
+template <class Scalar, Index kTile>
+void tile_keys(const KeyAxis<Scalar>& axis, Index tile, const Scalar* keys[kTile]) {
+  const Scalar* any = nullptr;
+  for (Index j = 0; j < kTile; ++j) {
+    keys[j] = axis.key(tile * kTile + j);
+    if (any == nullptr) any = keys[j];
+  }
+  for (Index j = 0; j < kTile; ++j)
+    if (keys[j] == nullptr) keys[j] = any;
+}
+
+// Per-thread tile state.
+template <class Scalar>
+struct TileBuffers {
+  AlignedVector<Scalar> q, scores, acc;
+  std::vector<SoftmaxStats<Scalar>> stats;
+  TileStream<Scalar> stream;
+
+  TileBuffers(Index rows, Index dk, Index dv, Index key_tile)
+      : q(static_cast<std::size_t>(rows * dk)),
+        scores(static_cast<std::size_t>(rows * key_tile)),
+        acc(static_cast<std::size_t>(rows * dv)),
+        stats(static_cast<std::size_t>(rows)) {}
+
+  void clear_state(Index rows, Index dv) {
+    std::fill(acc.begin(), acc.begin() + rows * dv, Scalar(0));
+    std::fill(stats.begin(), stats.begin() + rows, SoftmaxStats<Scalar>{});
+  }
+};
+
+// Folds key tile `tile` of `axis` into the tile of stacked rows
+// [0, bq); stacked row r is at position p0 + r / heads. Cost: 2 bq kTile (dk + dv) flops + bq
+// kTile exps.
+//
+// Logits are saturated to the finite range (an overflowing product of finite inputs, or the
+// NaN of inf - inf inside one, becomes +-max), and the accumulator holds the softmax average so
+// far, not the sum: outputs are finite for every finite input. Slots a row does not see are
+// -inf before the exponential, so they add exact zeros: a row's result does not depend on which
+// other rows share its tile.
+//
+// Pacing: StreamPacing where axis.prefetch is set (the tile streams the next one), else
+// NoPacing.
+template <class Scalar, class Ops, class Pacing>
+void fold_key_tile(const KeyAxis<Scalar>& axis, Index tile, Index p0, Index heads, Index bq,
+                   Index dk, Index dv, Scalar beta, TileBuffers<Scalar>& buf, Pacing pacing) {
+  constexpr bool kStream = std::is_same_v<Pacing, StreamPacing<Scalar>>;
+  constexpr Index kTile = Ops::kKeyTile;
+  constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
+  const Index k0 = tile * kTile;
+  const Index mem_lo = std::max(k0, axis.memory_begin()) - k0;  // memory slots of the tile
+  const Index mem_hi = std::max(std::min(k0 + kTile, axis.local_begin()) - k0, mem_lo);
+  Scalar* s = buf.scores.data();
+  const Scalar* keys[kTile];
+  tile_keys<Scalar, kTile>(axis, tile, keys);
+  if constexpr (kStream) {  // the next tile's memory rows, over this tile's score and P V flops
+    const Index next_lo = std::max(k0 + kTile, axis.memory_begin()) - axis.pad;
+    const Index next_hi =
+        std::max(std::min(k0 + 2 * kTile, axis.local_begin()) - axis.pad, next_lo);
+    pacing.stream->start(axis.memory, next_lo, next_hi,
+                         2 * bq * (kTile * dk + (mem_hi - mem_lo) * dv));
+  }
+  Ops::scores_rows(buf.q.data(), dk, bq, keys, dk, beta, s, pacing);
+  for (Index r = 0; r < bq; ++r) {
+    Scalar* row = s + r * kTile;
+    const Index p = p0 + r / heads;
+    const Index lo = std::clamp<Index>(axis.first(p) - k0, 0, kTile);
+    const Index hi = std::clamp<Index>(axis.last(p) - k0 + 1, lo, kTile);  // exclusive
+    if (axis.memory.bias != nullptr)
+      for (Index j = std::max(lo, mem_lo); j < std::min(hi, mem_hi); ++j)
+        row[j] += axis.memory.bias[k0 + j - axis.pad];
+    const Scalar tile_max = Ops::mask_max(row, lo, hi);
+    SoftmaxStats<Scalar>& st = buf.stats[static_cast<std::size_t>(r)];
+    const Scalar m_new = std::max(st.m, tile_max);
+    if (m_new == kNegInf) {  // nothing visible so far: this tile adds nothing to row r
+      std::fill(row, row + kTile, Scalar(0));
+      continue;
+    }
+    const Scalar sum = Ops::exp_sum(row, m_new);
+    // New average = old average * (l_old rescaled / l_new) + (P / l_new) V.
+    const Scalar l_kept = st.m == m_new ? st.l : st.l * std::exp(st.m - m_new);
+    const Scalar l_new = l_kept + sum;
+    const Scalar keep = l_kept / l_new;
+    const Scalar inv = Scalar(1) / l_new;
+    if (keep != Scalar(1)) {
+      // keep = 0: the old rows vanish next to the new maximum. Assigned, not multiplied, so
+      // that an average that rounded past the largest finite value (inf) leaves no 0 * inf.
+      Scalar* acc = buf.acc.data() + r * dv;
+      if (keep == Scalar(0)) {
+        std::fill(acc, acc + dv, Scalar(0));
+      } else {
+        Ops::scale(acc, dv, keep);
+      }
+    }
+    Ops::scale(row, kTile, inv);
+    st.l = l_new;
+    st.m = m_new;
+  }
+  // P V over the tile's memory slots, then its local slots (values live in two arrays; one
+  // pass over j either way, so the split changes no sum).
+  if (mem_hi > mem_lo)
+    Ops::accumulate(s + mem_lo, bq, mem_hi - mem_lo, axis.memory.values.row(k0 + mem_lo - axis.pad),
+                    axis.memory.values.stride, dv, buf.acc.data(), dv, pacing);
+  if constexpr (kStream) pacing.stream->finish();
+  const Index loc_lo = std::max(k0, axis.local_begin()) - k0;
+  const Index loc_hi = std::max(std::min(k0 + kTile, axis.end()) - k0, loc_lo);
+  if (loc_hi > loc_lo)
+    Ops::accumulate(s + loc_lo, bq, loc_hi - loc_lo,
+                    axis.local.values.row(k0 + loc_lo - axis.local_begin()),
+                    axis.local.values.stride, dv, buf.acc.data(), dv);
+}
+
+// One read, as the steps of the tile loop: query tile t holds positions
+// [t P, t P + P) (P = positions_per_tile) of every head, stacked; each tile folds its visible
+// key tiles block by block and stores its rows. run() chooses how the tiles are shared out.
+template <class Scalar, class Arch>
+class TileReader {
+ public:
+  using Ops = TileOps<Scalar, Arch>;
+  static constexpr Index kTile = Ops::kKeyTile;
+  static constexpr Index kTilesPerBlock = kBlockKeys / kTile;
+  static_assert(kBlockKeys % kTile == 0, "merge blocks hold whole key tiles");
+  using Buffers = TileBuffers<Scalar>;
+
+  TileReader(const ConstRowsView<Scalar>* q, Index heads, const MemoryRows<Scalar>& memory,
+             const LocalRows<Scalar>& local, const ReadMask& mask, Scalar beta,
+             const RowsView<Scalar>* o)
+      : q_(q), o_(o), heads_(heads), n_pos_(q[0].rows), dk_(q[0].cols), dv_(o[0].cols),
+        query_offset_(mask.query_offset), beta_(beta) {
+    static_cast<KeyAxisGeometry&>(axis_) =
+        key_axis_geometry(memory.origin, memory.keys.rows, local.keys.rows, mask, n_pos_);
+    axis_.memory = memory;
+    axis_.local = {local.keys.middle_rows(0, axis_.local_rows),
+                   local.values.middle_rows(0, axis_.local_rows)};
+    positions_per_tile_ = std::max<Index>(1, kStackedRows / heads);
+    n_tiles_ = (n_pos_ + positions_per_tile_ - 1) / positions_per_tile_;
+    // Buffers sized for the rows a tile really holds: a decode step stacks `heads` rows, not 64.
+    tile_rows_ = std::min(positions_per_tile_, n_pos_) * heads;
+    axis_.prefetch = tile_rows_ >= kPrefetchMinRows && tile_rows_ <= kPrefetchMaxRows &&
+                     static_cast<double>(memory.keys.rows) * static_cast<double>(dk_ + dv_) *
+                             sizeof(Scalar) >= kPrefetchMinBytes;
+  }
+
+  void run() const {
+#if defined(OVQ_HAS_OPENMP)
+    const double work = 2.0 * static_cast<double>(n_pos_ * heads_) *
+                        static_cast<double>(axis_.end() - axis_.pad) *
+                        static_cast<double>(dk_ + dv_);
+    if (detail::worth_parallel(work)) {
+      if (n_tiles_ > 1) return read_tiles_parallel();
+      if (decode_blocks() > 1) return read_blocks_parallel();
+    }
+#endif
+    read_serial();
+  }
+
+ private:
+  // Stacked rows of query tile `tile`.
+  Index tile_rows(Index tile) const {
+    return std::min(positions_per_tile_, n_pos_ - tile * positions_per_tile_) * heads_;
+  }
+  Index tile_position(Index tile) const { return query_offset_ + tile * positions_per_tile_; }
+
+  // Key tiles that query tile `tile` visits: tiles no row of it sees are skipped whole (that is
+  // where causal and windowed reads save their masked part).
+  SlotRange key_tiles(Index tile) const {
+    const Index p0 = tile_position(tile);
+    const SlotRange slots = axis_.visible(p0, p0 + tile_rows(tile) / heads_ - 1);
+    if (slots.empty()) return {};
+    return {slots.first / kTile, slots.last / kTile};
+  }
+
+  // Merge blocks of a single query tile (a decode step), for splitting them across threads.
+  Index decode_blocks() const {
+    const SlotRange range = key_tiles(0);
+    if (n_tiles_ != 1 || range.empty()) return 0;
+    return range.last / kTilesPerBlock - range.first / kTilesPerBlock + 1;
+  }
+
+  void load_queries(Index tile, Buffers& buf) const {
+    const Index i0 = tile * positions_per_tile_;
+    const Index np = tile_rows(tile) / heads_;
+    for (Index i = 0; i < np; ++i)
+      for (Index h = 0; h < heads_; ++h)
+        std::copy(q_[h].row(i0 + i), q_[h].row(i0 + i) + dk_,
+                  buf.q.data() + (i * heads_ + h) * dk_);
+  }
+
+  // Folds key tiles [first, last] (all in one merge block) into buf, from an empty state.
+  void fold_block(Index tile, Index first, Index last, Buffers& buf) const {
+    const Index bq = tile_rows(tile);
+    buf.clear_state(bq, dv_);
+    const Index p0 = tile_position(tile);
+    for (Index t = first; t <= last; ++t) {
+      if (axis_.prefetch) {
+        fold_key_tile<Scalar, Ops>(axis_, t, p0, heads_, bq, dk_, dv_, beta_, buf,
+                                   StreamPacing<Scalar>{&buf.stream});
+      } else {
+        fold_key_tile<Scalar, Ops>(axis_, t, p0, heads_, bq, dk_, dv_, beta_, buf, NoPacing{});
+      }
+    }
+  }
+
+  void merge_rows(Index bq, Scalar* acc, SoftmaxStats<Scalar>* stats, const Scalar* acc_b,
+                  const SoftmaxStats<Scalar>* stats_b) const {
+    for (Index r = 0; r < bq; ++r)
+      merge_softmax(acc + r * dv_, stats[r], acc_b + r * dv_, stats_b[r], dv_);
+  }
+
+  // The whole read of one query tile: its merge blocks in order, each folded from scratch and
+  // merged into the first.
+  void read_tile(Index tile, Buffers& buf, Buffers& part) const {
+    load_queries(tile, buf);
+    const Index bq = tile_rows(tile);
+    const SlotRange range = key_tiles(tile);
+    if (range.empty()) {
+      buf.clear_state(bq, dv_);
+      return;
+    }
+    for (Index b = range.first / kTilesPerBlock; b <= range.last / kTilesPerBlock; ++b) {
+      const Index first = std::max(range.first, b * kTilesPerBlock);
+      const Index last = std::min(range.last, b * kTilesPerBlock + kTilesPerBlock - 1);
+      if (b == range.first / kTilesPerBlock) {
+        fold_block(tile, first, last, buf);
+      } else {
+        std::copy(buf.q.begin(), buf.q.begin() + bq * dk_, part.q.begin());
+        fold_block(tile, first, last, part);
+        merge_rows(bq, buf.acc.data(), buf.stats.data(), part.acc.data(), part.stats.data());
+      }
+    }
+  }
+
+  void store(Index tile, const Scalar* acc_rows) const {
+    const Index i0 = tile * positions_per_tile_;
+    const Index np = tile_rows(tile) / heads_;
+    // The accumulator already is the average (zero when no row was visible). An average of
+    // values never exceeds the largest of them; only rounding can push one near the largest
+    // finite scalar past it, so that is clamped back.
+    constexpr Scalar kMaxValue = std::numeric_limits<Scalar>::max();
+    for (Index i = 0; i < np; ++i) {
+      for (Index h = 0; h < heads_; ++h) {
+        const Scalar* acc = acc_rows + (i * heads_ + h) * dv_;
+        Scalar* out = o_[h].row(i0 + i);
+        for (Index c = 0; c < dv_; ++c) out[c] = std::clamp(acc[c], -kMaxValue, kMaxValue);
+      }
+    }
+  }
+
+  void read_serial() const {
+    Buffers buf(tile_rows_, dk_, dv_, kTile), part(tile_rows_, dk_, dv_, kTile);
+    for (Index t = 0; t < n_tiles_; ++t) {
+      read_tile(t, buf, part);
+      store(t, buf.acc.data());
+    }
+  }
+
+#if defined(OVQ_HAS_OPENMP)
+  // Prefill: query tiles in parallel.
+  void read_tiles_parallel() const {
+#pragma omp parallel
+    {
+      Buffers buf(tile_rows_, dk_, dv_, kTile), part(tile_rows_, dk_, dv_, kTile);
+#pragma omp for schedule(dynamic, 1)
+      for (Index t = 0; t < n_tiles_; ++t) {
+        read_tile(t, buf, part);
+        store(t, buf.acc.data());
+      }
+    }
+  }
+
+  // Decode (one query tile over a long memory): merge blocks in parallel, each from scratch,
+  // then merged in order on this thread, exactly as read_tile merges them.
+  void read_blocks_parallel() const {
+    const Index blocks = decode_blocks();
+    const SlotRange range = key_tiles(0);
+    const Index bq = tile_rows(0);
+    const Index b0 = range.first / kTilesPerBlock;
+    AlignedVector<Scalar> block_acc(static_cast<std::size_t>(blocks * bq * dv_));
+    std::vector<SoftmaxStats<Scalar>> block_stats(static_cast<std::size_t>(blocks * bq));
+#pragma omp parallel
+    {
+      Buffers buf(tile_rows_, dk_, dv_, kTile);
+      load_queries(0, buf);
+#pragma omp for schedule(static)
+      for (Index b = 0; b < blocks; ++b) {
+        const Index first = std::max(range.first, (b0 + b) * kTilesPerBlock);
+        const Index last = std::min(range.last, (b0 + b + 1) * kTilesPerBlock - 1);
+        fold_block(0, first, last, buf);
+        std::copy(buf.acc.begin(), buf.acc.begin() + bq * dv_, block_acc.begin() + b * bq * dv_);
+        std::copy(buf.stats.begin(), buf.stats.begin() + bq, block_stats.begin() + b * bq);
+      }
+    }
+    for (Index b = 1; b < blocks; ++b)
+      merge_rows(bq, block_acc.data(), block_stats.data(), block_acc.data() + b * bq * dv_,
+                 block_stats.data() + b * bq);
+    store(0, block_acc.data());
+  }
+#endif
+
+  const ConstRowsView<Scalar>* q_;
+  const RowsView<Scalar>* o_;
+  Index heads_, n_pos_, dk_, dv_, query_offset_;
+  Scalar beta_;
+  KeyAxis<Scalar> axis_;
+  Index positions_per_tile_ = 1, n_tiles_ = 0, tile_rows_ = 0;
+};
+
+}  // namespace read_detail
+
+// The read of the contract on the CPU. q and o hold `heads` views each.
+template <class Scalar, class Arch = arch::native>
+void read(const ConstRowsView<Scalar>* q, Index heads, const MemoryRows<Scalar>& memory,
+          const LocalRows<Scalar>& local, const ReadMask& mask, Scalar beta,
+          const RowsView<Scalar>* o) {
+  if (heads <= 0 || q[0].rows == 0) return;
+  read_detail::TileReader<Scalar, Arch>(q, heads, memory, local, mask, beta, o).run();
+}
+
+// One query head.
+template <class Scalar, class Arch = arch::native>
+void read(ConstRowsView<Scalar> q, const MemoryRows<Scalar>& memory, const LocalRows<Scalar>& local,
+          const ReadMask& mask, Scalar beta, RowsView<Scalar> o) {
+  read<Scalar, Arch>(&q, 1, memory, local, mask, beta, &o);
+}
+
+}  // namespace ovq::kernels
