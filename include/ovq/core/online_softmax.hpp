@@ -10,6 +10,7 @@
 #include <cmath>
 
 #include "ovq/config.hpp"
+#include "ovq/core/exact_math.hpp"
 #include "ovq/core/views.hpp"
 
 namespace ovq {
@@ -30,43 +31,92 @@ inline constexpr bool kNativeFusedMerge = true;
 inline constexpr bool kNativeFusedMerge = false;
 #endif
 
-// Folds the state (o_b, b) into (o_a, a). o_a and o_b have `dim` entries. Cost O(dim).
-template <bool kFused = kNativeFusedMerge, class Scalar>
-OVQ_HOST_DEVICE void merge_softmax(Scalar* o_a, SoftmaxStats<Scalar>& a, const Scalar* o_b,
-                                   const SoftmaxStats<Scalar>& b, Index dim) {
-  if (b.empty()) return;
-  if (a.empty()) {
-    for (Index d = 0; d < dim; ++d) o_a[d] = o_b[d];
-    a = b;
-    return;
+// The exponential of a merge: the host's std::exp on the CPU, ovq's own (core/exact_math.hpp)
+// in the CUDA kernels and their emulation.
+struct StdExp {
+  template <class Scalar>
+  OVQ_HOST_DEVICE Scalar operator()(Scalar x) const {
+    return std::exp(x);
   }
+};
+struct ExactExp {
+  template <class Scalar>
+  OVQ_HOST_DEVICE Scalar operator()(Scalar x) const {
+    return detail::exp_nonpositive(x);
+  }
+};
+
+// How a merge of (o_b, b) into (o_a, a) treats each entry, and the merged statistics: computed
+// once per row, applied to each of its entries (merge_entry). Split this way so that executors
+// holding a row's entries in different places (a CPU buffer, GPU registers, a GPU workspace)
+// apply one definition.
+template <class Scalar>
+struct MergeWeights {
+  enum class Mode : unsigned char { keep, copy, blend };
+  Mode mode = Mode::keep;  // keep o_a, copy o_b, or blend the two
+  Scalar wa = Scalar(0), wb = Scalar(0);
+  SoftmaxStats<Scalar> stats;  // the merged state
+};
+
+template <class Exp = StdExp, class Scalar>
+OVQ_HOST_DEVICE MergeWeights<Scalar> merge_weights(const SoftmaxStats<Scalar>& a,
+                                                   const SoftmaxStats<Scalar>& b) {
+  using Mode = typename MergeWeights<Scalar>::Mode;
+  MergeWeights<Scalar> w;
+  if (b.empty()) {
+    w.stats = a;
+    return w;
+  }
+  if (a.empty()) {
+    w.mode = Mode::copy;
+    w.stats = b;
+    return w;
+  }
+  const Exp exp_of{};
   const Scalar m = a.m > b.m ? a.m : b.m;
-  const Scalar la = a.l * std::exp(a.m - m);
-  const Scalar lb = b.l * std::exp(b.m - m);
+  const Scalar la = detail::mul_rn(a.l, exp_of(a.m - m));
+  const Scalar lb = detail::mul_rn(b.l, exp_of(b.m - m));
   const Scalar l = la + lb;
-  const Scalar wa = la / l, wb = lb / l;
+  w.wa = la / l;
+  w.wb = lb / l;
+  w.stats.m = m;
+  w.stats.l = l;
   // A side whose weight is 0 is dropped, not multiplied: its average may have rounded past
   // the largest finite value, and 0 * inf would be NaN.
-  if (wa == Scalar(0) || wb == Scalar(0)) {
-    if (wa == Scalar(0))
-      for (Index d = 0; d < dim; ++d) o_a[d] = o_b[d];
-    a.l = l;
-    a.m = m;
-    return;
+  if (w.wa == Scalar(0)) {
+    w.mode = Mode::copy;
+  } else if (w.wb == Scalar(0)) {
+    w.mode = Mode::keep;
+  } else {
+    w.mode = Mode::blend;
   }
-  // One explicit rounding pattern, never left to the compiler's contraction choices, so every
-  // compiled copy of a merge gives the same bits.
-  for (Index d = 0; d < dim; ++d) {
-    const Scalar b_part = o_b[d] * wb;
-    if constexpr (kFused) {
-      o_a[d] = std::fma(o_a[d], wa, b_part);
-    } else {
-      const Scalar a_part = o_a[d] * wa;
-      o_a[d] = a_part + b_part;
-    }
+  return w;
+}
+
+// One entry of the merged average. One explicit rounding pattern (kFused: o_a wa + o_b wb
+// rounded once after the product o_b wb), never left to the compiler's contraction choices, so
+// every compiled copy of a merge gives the same bits.
+template <bool kFused = kNativeFusedMerge, class Scalar>
+OVQ_HOST_DEVICE Scalar merge_entry(const MergeWeights<Scalar>& w, Scalar o_a, Scalar o_b) {
+  using Mode = typename MergeWeights<Scalar>::Mode;
+  if (w.mode == Mode::keep) return o_a;
+  if (w.mode == Mode::copy) return o_b;
+  const Scalar b_part = detail::mul_rn(o_b, w.wb);
+  if constexpr (kFused) {
+    return std::fma(o_a, w.wa, b_part);
+  } else {
+    return detail::mul_rn(o_a, w.wa) + b_part;
   }
-  a.l = l;
-  a.m = m;
+}
+
+// Folds the state (o_b, b) into (o_a, a). o_a and o_b have `dim` entries. Cost O(dim).
+template <bool kFused = kNativeFusedMerge, class Exp = StdExp, class Scalar>
+OVQ_HOST_DEVICE void merge_softmax(Scalar* o_a, SoftmaxStats<Scalar>& a, const Scalar* o_b,
+                                   const SoftmaxStats<Scalar>& b, Index dim) {
+  const MergeWeights<Scalar> w = merge_weights<Exp>(a, b);
+  if (w.mode != MergeWeights<Scalar>::Mode::keep)
+    for (Index d = 0; d < dim; ++d) o_a[d] = merge_entry<kFused>(w, o_a[d], o_b[d]);
+  a = w.stats;
 }
 
 }  // namespace ovq

@@ -6,6 +6,7 @@
 // Everything is row-major (tokens x features): a token is one contiguous row, as in NumPy and
 // PyTorch.
 #include <cstddef>
+#include <type_traits>
 
 #include "ovq/config.hpp"
 
@@ -24,8 +25,11 @@ struct RowsView {
   OVQ_HOST_DEVICE RowsView middle_rows(Index first, Index count) const {
     return {data + first * stride, count, cols, stride};
   }
-  // A view of the same rows as read-only.
-  OVQ_HOST_DEVICE operator RowsView<const Scalar>() const { return {data, rows, cols, stride}; }
+  // A view of the same rows as read-only (of mutable rows only: a const view already is one).
+  template <class S = Scalar, class = std::enable_if_t<!std::is_const_v<S>>>
+  OVQ_HOST_DEVICE operator RowsView<const S>() const {
+    return {data, rows, cols, stride};
+  }
 };
 
 template <class Scalar>

@@ -1,0 +1,35 @@
+#pragma once
+// ovq on NVIDIA GPUs: the four mixers with the CPU's options, mathematics and states, over
+// device memory batched over (batch x key/value heads). Compile with nvcc.
+//
+//   #include <ovq/cuda.cuh>
+//
+//   ovq::cuda::OvqAttention<float> mixer(options);            // the CPU's OvqOptions
+//   auto state = mixer.make_state(batch * kv_heads, dk, dv, stream);
+//   mixer.forward(state, q, k, v, o, stream);                  // HeadsView<float> of device rows
+//   mixer.step(state, q1, k1, v1, o1, stream);                 // capturable in a CUDA graph
+//   auto host = state.to_host(stream);                         // the CPU's OvqState per head
+//
+// Every call runs a few kernels on the given stream and returns without synchronising; shapes
+// and options are checked on the host first (ovq::ArgumentError, as on the CPU), values on the
+// device (a bad call changes nothing and is reported by the next synchronize()); CUDA failures
+// throw ovq::cuda::CudaError. docs/cuda.md has the details.
+#if !defined(__CUDACC__)
+#error "<ovq/cuda.cuh> is the CUDA API: compile with nvcc (the CPU API is <ovq/ovq.hpp>)"
+#endif
+
+// Eigen (the CPU states of to_host/from_host) stays host code in CUDA translation units.
+#if !defined(EIGEN_NO_CUDA)
+#define EIGEN_NO_CUDA
+#endif
+
+#include "ovq/ovq.hpp"
+#include "ovq/cuda/device.cuh"
+#include "ovq/cuda/self_attention.hpp"
+
+namespace ovq::cuda {
+
+template <class Scalar>
+using SelfAttention = BasicSelfAttention<Scalar, Device>;
+
+}  // namespace ovq::cuda

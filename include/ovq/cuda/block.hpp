@@ -1,0 +1,112 @@
+#pragma once
+// How ovq's CUDA kernels are written: as block programs, one text that runs on a GPU and, in the
+// tests, in a host emulation (so that wrong indexing fails on a machine without a GPU).
+//
+// A program is a struct with
+//   static constexpr int kThreads;                      threads per block
+//   using Params = ...;                                 plain pointers, strides and sizes
+//   static std::size_t shared_bytes(const Params&);     dynamic shared memory per block
+//   template <class Block>
+//   OVQ_HOST_DEVICE static void run(Block&, const Params&, BlockIndex);
+// run() is the code of one thread block, written as phases: block.each(f) runs f(t) for every
+// thread t of the block, then the block waits at a barrier (__syncthreads). Code between phases
+// is block-uniform: it computes the same values in every thread (on a GPU every thread runs
+// it, in the emulation it runs once) and writes no memory. Per-thread state lives in a
+// Block::PerThread<T> (one T in registers on a GPU, kThreads of them in the emulation);
+// block.shared() is the block's shared memory.
+//
+// The emulation runs each phase's threads one after the other. That computes what a GPU
+// computes because no phase reads what another thread of the block writes in the same phase:
+// the programs keep to that rule, and threads only exchange values through shared memory across
+// a barrier. Device-wide ordering comes from kernel boundaries only (no atomics, no grid sync).
+#include <cstddef>
+#include <cstdint>
+#include <new>
+#include <vector>
+
+#include "ovq/config.hpp"
+
+namespace ovq::cuda {
+
+struct Grid {
+  int x = 1, y = 1, z = 1;
+};
+struct BlockIndex {
+  int x = 0, y = 0, z = 0;
+};
+
+// ---- host emulation ----
+
+template <class T, int kThreads>
+struct EmulatedPerThread {
+  std::vector<T> values = std::vector<T>(kThreads);
+  T& operator[](int t) { return values[static_cast<std::size_t>(t)]; }
+};
+
+template <int kThreads>
+class EmulatedBlock {
+ public:
+  template <class T>
+  using PerThread = EmulatedPerThread<T, kThreads>;
+
+  explicit EmulatedBlock(void* shared) : shared_(shared) {}
+  void* shared() const { return shared_; }
+
+  template <class F>
+  void each(F&& f) {
+    for (int t = 0; t < kThreads; ++t) f(t);
+  }
+
+ private:
+  void* shared_;
+};
+
+// Runs program P over `grid` on the host, block after block, with `params` pointing to host
+// memory. Shared memory is poisoned (all bytes 0xff: NaN in every float and double) before
+// each block, so that a program reading shared memory it did not write fails its tests.
+template <class P>
+void emulate(Grid grid, const typename P::Params& params) {
+  const std::size_t bytes = P::shared_bytes(params);
+  std::vector<std::max_align_t> storage(bytes / sizeof(std::max_align_t) + 1);
+  for (int z = 0; z < grid.z; ++z)
+    for (int y = 0; y < grid.y; ++y)
+      for (int x = 0; x < grid.x; ++x) {
+        unsigned char* raw = reinterpret_cast<unsigned char*>(storage.data());
+        for (std::size_t b = 0; b < bytes; ++b) raw[b] = 0xff;
+        EmulatedBlock<P::kThreads> block(storage.data());
+        P::run(block, params, BlockIndex{x, y, z});
+      }
+}
+
+// ---- GPU ----
+
+#if defined(__CUDACC__)
+
+template <class T>
+struct DevicePerThread {
+  T value;
+  __device__ __forceinline__ T& operator[](int) { return value; }
+};
+
+template <int kThreads>
+class DeviceBlock {
+ public:
+  template <class T>
+  using PerThread = DevicePerThread<T>;
+
+  __device__ explicit DeviceBlock(void* shared) : shared_(shared) {}
+  __device__ void* shared() const { return shared_; }
+
+  template <class F>
+  __device__ __forceinline__ void each(F&& f) {
+    f(static_cast<int>(threadIdx.x));
+    __syncthreads();
+  }
+
+ private:
+  void* shared_;
+};
+
+#endif
+
+}  // namespace ovq::cuda

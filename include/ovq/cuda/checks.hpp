@@ -1,0 +1,67 @@
+#pragma once
+// Host-side argument checks of the device mixers: shapes, widths and strides, all before
+// anything is launched, with the CPU path's ovq::ArgumentError messages. (Values, which live on
+// the device, are checked there: kernels/rows.hpp.)
+#include "ovq/core/checks.hpp"
+#include "ovq/core/error.hpp"
+#include "ovq/cuda/kernels/launch.hpp"
+#include "ovq/cuda/views.hpp"
+
+namespace ovq::cuda::detail {
+
+using ovq::detail::concat;
+using ovq::detail::require;
+
+// An input may repeat rows (a stride of 0 broadcasts a head); an output's rows must not overlap,
+// or two threads would write one entry.
+template <class Scalar>
+void check_view(const char* where, const char* name, const ConstHeadsView<Scalar>& x,
+                bool output = false) {
+  require(x.heads >= 0 && x.rows >= 0 && x.cols >= 0, where, name, " has shape (", x.heads, ", ",
+          x.rows, ", ", x.cols, "), expected sizes >= 0");
+  if (x.heads == 0 || x.rows == 0 || x.cols == 0) return;
+  require(x.data != nullptr, where, name, " has no data, expected a device pointer");
+  require(x.row_stride >= 0 && x.head_stride >= 0, where, name, " has strides (", x.head_stride,
+          ", ", x.row_stride, "), expected >= 0");
+  if (!output) return;
+  require(x.rows == 1 || x.row_stride >= x.cols, where, name, " has row stride ", x.row_stride,
+          ", expected >= its ", x.cols, " columns (an output's rows must not overlap)");
+  require(x.heads == 1 || x.head_stride >= (x.rows - 1) * x.row_stride + x.cols, where, name,
+          " has head stride ", x.head_stride, ", expected >= ", (x.rows - 1) * x.row_stride + x.cols,
+          " (an output's heads must not overlap)");
+}
+
+// The inputs of a read and write call: q (heads * group, T, dk), k (heads, T, dk),
+// v (heads, T, dv), o (heads * group, T, dv). q and o are skipped for a write-only call.
+template <class Scalar>
+void check_call(const char* where, Index heads, Index dk, Index dv, const ConstHeadsView<Scalar>* q,
+                const ConstHeadsView<Scalar>& k, const ConstHeadsView<Scalar>& v,
+                const HeadsView<Scalar>* o) {
+  check_view(where, "K", k);
+  check_view(where, "V", v);
+  require(k.heads == heads, where, "K has ", k.heads, " heads, expected ", heads,
+          " (the state's key/value heads)");
+  ovq::detail::check_cols(where, "K", k.cols, dk, "the state's dk");
+  ovq::detail::check_cols(where, "V", v.cols, dv, "the state's dv");
+  require(v.heads == heads, where, "V has ", v.heads, " heads, expected ", heads);
+  ovq::detail::check_rows(where, "V", v.rows, k.rows, "the rows of K");
+  if (q == nullptr) return;
+  check_view(where, "Q", *q);
+  check_view(where, "O", ConstHeadsView<Scalar>(*o), true);
+  require(q->heads >= heads && q->heads % heads == 0, where, "Q has ", q->heads,
+          " heads, expected a multiple of the ", heads, " key/value heads");
+  ovq::detail::check_cols(where, "Q", q->cols, dk, "the state's dk");
+  ovq::detail::check_rows(where, "Q", q->rows, k.rows, "the rows of K");
+  require(o->heads == q->heads && o->rows == q->rows && o->cols == dv, where, "O has shape (",
+          o->heads, ", ", o->rows, ", ", o->cols, "), expected (", q->heads, ", ", q->rows, ", ",
+          dv, ")");
+}
+
+inline void check_widths(const char* where, Index dk, Index dv) {
+  require(dk >= 1 && dk <= kernels::kMaxHeadWidth, where, "dk = ", dk, ", expected 1 ... ",
+          kernels::kMaxHeadWidth, " (the CUDA kernels' widest head)");
+  require(dv >= 1 && dv <= kernels::kMaxHeadWidth, where, "dv = ", dv, ", expected 1 ... ",
+          kernels::kMaxHeadWidth, " (the CUDA kernels' widest head)");
+}
+
+}  // namespace ovq::cuda::detail

@@ -1,0 +1,173 @@
+#pragma once
+// Nearest centroid on a GPU (the CPU's kernels/assign.hpp): every row of x against the n
+// centroids of its state, scores fused with the argmax, no rows x n score matrix.
+//
+//   best[i] = max_r (x_i . C[r] + offset[r]),  arg[i] = the smallest r reaching it
+//
+// As on the CPU: the first centroid is taken whatever its score, then a centroid replaces the
+// running best only with a strictly greater score, so a NaN score never wins (unless it is the
+// first) and ties go to the smallest index. The same answer comes from a parallel reduction
+// over (score, index) pairs ordered by score, then index, with NaNs left out, and the first
+// centroid's NaN checked apart: that is what this computes, whatever the tiling.
+// A score is one FMA chain over the features in order (as the read's, and as OVQ seeding's
+// scores of new centroids: SeedUpdateProgram), plus the offset.
+//
+// Block (x, s): rows [32 x, 32 x + 32) of state s, centroid tiles of 64 staged in shared memory.
+// Thread t: rows (t / 16) 2 + i, centroids t % 16 + 16 j of each tile. 256 threads.
+// Shapes: x (states x L x d), C (states x capacity x d, rows [0, n) used), offset (states x
+// capacity) or none, best and arg (states x L). Cost: 2 L n kD flops.
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+
+#include "ovq/config.hpp"
+#include "ovq/cuda/block.hpp"
+#include "ovq/cuda/counters.hpp"
+#include "ovq/cuda/kernels/read.hpp"
+
+namespace ovq::cuda::kernels {
+
+template <class Scalar>
+struct AssignParams {
+  HeadRows<Scalar> x;          // rows to assign
+  Index rows = 0;              // L
+  Index d = 0;                 // <= kD
+  HeadRows<Scalar> centroids;  // rows [0, n) of each state
+  const Scalar* offset = nullptr;  // state s, centroid r: offset[s * offset_stride + r]
+  Index offset_stride = 0;
+  // n: the counters' size (OVQ: the dictionary before the chunk) or a fixed count (VQ: the
+  // codebook), and whether to run at all (a chunk write runs only on a complete chunk).
+  const StateCounters* counters = nullptr;
+  Index fixed_count = -1;      // >= 0: n, and no condition on the counters
+  Index complete_chunk = 0;    // counters given: run only if pending == complete_chunk
+  Scalar* best = nullptr;      // state s, row i: best[s * rows + i]
+  Index* arg = nullptr;
+};
+
+// (score, index) with "greater": a larger score, or the same score at a smaller index; NaN
+// scores are never taken (index -1: nothing yet).
+template <class Scalar>
+struct ArgBest {
+  Scalar score = -Scalar(INFINITY);
+  Index index = -1;
+
+  OVQ_HOST_DEVICE void offer(Scalar s, Index r) {
+    if (s != s) return;
+    if (index < 0 || s > score || (s == score && r < index)) {
+      score = s;
+      index = r;
+    }
+  }
+};
+
+template <class Scalar, int kD>
+struct AssignProgram {
+  using Params = AssignParams<Scalar>;
+  static constexpr int kThreads = 256;
+  static constexpr int kRows = 32;
+  static constexpr int kTile = 64;
+  static constexpr int kGroups = 16;
+  static constexpr int kRPT = kRows / (kThreads / kGroups);
+  static constexpr int kKPT = kTile / kGroups;
+  static constexpr int kStride = kD + 1;
+  // Shared: x rows, centroid tile, then per (row, group) partial (score, index), and the first
+  // centroid's NaN flag per row.
+  static constexpr std::size_t kXBytes = sizeof(Scalar) * kRows * kStride;
+  static constexpr std::size_t kCBytes = sizeof(Scalar) * kTile * kStride;
+  static constexpr std::size_t kPartBytes = (sizeof(Scalar) + sizeof(Index)) * kRows * kGroups;
+  static std::size_t shared_bytes(const Params&) { return kXBytes + kCBytes + kPartBytes + kRows; }
+
+  struct Thread {
+    ArgBest<Scalar> best[kRPT];
+    bool first_nan[kRPT];
+  };
+
+  template <class Block>
+  OVQ_HOST_DEVICE static void run(Block& block, const Params& p, BlockIndex index) {
+    const Index s = index.y;
+    const Index i0 = static_cast<Index>(index.x) * kRows;
+    Index n = p.fixed_count;
+    if (n < 0) {
+      if (p.counters->fault != 0 || p.counters->pending != p.complete_chunk) return;
+      n = static_cast<Index>(p.counters->size);
+    }
+    unsigned char* raw = static_cast<unsigned char*>(block.shared());
+    Scalar* xs = reinterpret_cast<Scalar*>(raw);
+    Scalar* cs = reinterpret_cast<Scalar*>(raw + kXBytes);
+    Scalar* part_score = reinterpret_cast<Scalar*>(raw + kXBytes + kCBytes);
+    Index* part_index =
+        reinterpret_cast<Index*>(raw + kXBytes + kCBytes + sizeof(Scalar) * kRows * kGroups);
+    unsigned char* nan_first = raw + kXBytes + kCBytes + kPartBytes;
+    typename Block::template PerThread<Thread> th;
+
+    block.each([&](int t) {
+      for (int e = t; e < kRows * kD; e += kThreads) {
+        const Index r = e / kD, c = e % kD;
+        Scalar v = Scalar(0);
+        if (i0 + r < p.rows && c < p.d) v = p.x.row(s, i0 + r)[c];
+        xs[r * kStride + c] = v;
+      }
+      Thread& me = th[t];
+      OVQ_UNROLL
+      for (int i = 0; i < kRPT; ++i) {
+        me.best[i] = ArgBest<Scalar>{};
+        me.first_nan[i] = false;
+      }
+    });
+    for (Index r0 = 0; r0 < n; r0 += kTile) {
+      block.each([&](int t) {
+        for (int e = t; e < kTile * kD; e += kThreads) {
+          const Index j = e / kD, c = e % kD;
+          Scalar v = Scalar(0);
+          if (r0 + j < n && c < p.d) v = p.centroids.row(s, r0 + j)[c];
+          cs[j * kStride + c] = v;
+        }
+      });
+      block.each([&](int t) {
+        Thread& me = th[t];
+        const int kg = t % kGroups, rg = t / kGroups;
+        OVQ_UNROLL
+        for (int i = 0; i < kRPT; ++i) {
+          const Scalar* x = xs + (rg * kRPT + i) * kStride;
+          OVQ_UNROLL
+          for (int j = 0; j < kKPT; ++j) {
+            const Index r = r0 + kg + kGroups * j;
+            if (r >= n) continue;
+            const Scalar* c = cs + (kg + kGroups * j) * kStride;
+            Scalar dot = Scalar(0);
+            for (int f = 0; f < kD; ++f) dot = std::fma(x[f], c[f], dot);
+            const Scalar score = p.offset != nullptr ? dot + p.offset[s * p.offset_stride + r] : dot;
+            if (r == 0 && score != score) me.first_nan[i] = true;
+            me.best[i].offer(score, r);
+          }
+        }
+      });
+    }
+    block.each([&](int t) {
+      Thread& me = th[t];
+      const int kg = t % kGroups, rg = t / kGroups;
+      OVQ_UNROLL
+      for (int i = 0; i < kRPT; ++i) {
+        const int row = rg * kRPT + i;
+        part_score[row * kGroups + kg] = me.best[i].score;
+        part_index[row * kGroups + kg] = me.best[i].index;
+        if (kg == 0) nan_first[row] = me.first_nan[i] ? 1 : 0;
+      }
+    });
+    block.each([&](int t) {
+      if (t >= kRows || i0 + t >= p.rows) return;
+      ArgBest<Scalar> b;
+      for (int g = 0; g < kGroups; ++g)
+        if (part_index[t * kGroups + g] >= 0)
+          b.offer(part_score[t * kGroups + g], part_index[t * kGroups + g]);
+      if (n > 0 && (nan_first[t] || b.index < 0)) {  // the first centroid's NaN stays
+        b.score = Scalar(NAN);
+        b.index = 0;
+      }
+      p.best[s * p.rows + i0 + t] = b.score;
+      p.arg[s * p.rows + i0 + t] = b.index;
+    });
+  }
+};
+
+}  // namespace ovq::cuda::kernels

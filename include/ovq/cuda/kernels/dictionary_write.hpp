@@ -1,0 +1,233 @@
+#pragma once
+// The dictionary writes on a GPU, one thread block per state, once its chunk of L rows is
+// complete: OVQ's grow, seed, group and update (MATH.md section 4, the CPU's
+// kernels/ovq_write.hpp), and VQ's group and update of the mean values (section 3). The
+// assignment to the centroids that existed before the chunk comes from AssignProgram.
+//
+//   grow    m = the growth schedule's entry for this chunk (computed on the host from t: see
+//           GrowthSchedule), 0 when the schedule has none
+//   seed    spread: m times the unpicked chunk row with the smallest similarity to its nearest
+//           centroid so far (ties: smallest row; a NaN similarity is never smaller, as on the
+//           CPU), opened as centroid n + step, its scores against every chunk row folded into
+//           (nearest, assigned); random: the rows draw_seed_rows draws from (seed, chunk index),
+//           the same rows as on the CPU
+//   group   the chunk rows sorted by centroid, each centroid's members in increasing row order
+//           (a stable rank: O(L^2 / threads))
+//   update  each touched centroid's keys (OVQ) and values: running mean (or constant rate) of
+//           its members, summed in double in member order; then the counts; then (option)
+//           unit-norm keys
+// Every step reads only what an earlier phase wrote, and nothing is accumulated with atomics:
+// the same bits on every run and in the emulation. A score of a new centroid is the
+// assignment's FMA chain (AssignProgram), so a row's centroid does not depend on whether it was
+// opened in this chunk. Cost: 2 L m dk (seeding) + L^2 / 256 (group) + O(L (dk + dv)).
+#include <cstdint>
+
+#include "ovq/config.hpp"
+#include "ovq/core/exact_math.hpp"
+#include "ovq/cuda/block.hpp"
+#include "ovq/cuda/counters.hpp"
+#include "ovq/cuda/kernels/read.hpp"
+#include "ovq/kernels/seed.hpp"
+#include "ovq/kernels/update.hpp"
+#include "ovq/state/dictionary_rows.hpp"
+
+namespace ovq::cuda::kernels {
+
+template <class Scalar>
+struct DictionaryWriteParams {
+  HeadRows<Scalar> keys, values;  // the chunk: L rows of each state
+  Index chunk = 0;                // L
+  Index dk = 0, dv = 0;
+  MutableHeadRows<Scalar> dict_keys, dict_values;  // capacity rows of each state
+  std::int64_t* counts = nullptr;                  // state s, row r: counts[s * capacity + r]
+  Scalar* log_counts = nullptr;
+  Index capacity = 0;
+  StateCounters* counters = nullptr;
+  bool ovq = true;  // false: VQ (keys fixed, values only, assignments given)
+  // OVQ: entries (chunk index, m) in increasing chunk order; the counters' schedule is the next.
+  const std::int64_t* schedule = nullptr;
+  Index schedule_entries = 0;
+  bool spread = true;  // seeding: spread, else random
+  std::uint64_t seed = 0;
+  bool adaptive = true;  // rate: running mean, else constant eta
+  double eta = 0.0;
+  bool renormalize = false;
+  // Per state, L entries each: (nearest, assigned) from AssignProgram (VQ: the codes in
+  // `assigned`), then scratch.
+  Scalar* nearest = nullptr;
+  Index* assigned = nullptr;
+  unsigned char* picked = nullptr;
+  Index* order = nullptr;
+  Index* draws = nullptr;
+  std::int64_t* opened = nullptr;  // written by state 0: rows opened, schedule entries used
+};
+
+template <class Scalar>
+struct DictionaryWriteProgram {
+  using Params = DictionaryWriteParams<Scalar>;
+  static constexpr int kThreads = 256;
+  // Shared: the spread pick's partials (first unpicked row, best value, best row) per thread,
+  // and the pick.
+  static std::size_t shared_bytes(const Params&) {
+    return kThreads * (2 * sizeof(Index) + sizeof(Scalar)) + sizeof(Index);
+  }
+
+  template <class Block>
+  OVQ_HOST_DEVICE static void run(Block& block, const Params& p, BlockIndex index) {
+    const StateCounters& c = *p.counters;
+    if (c.fault != 0 || c.pending != p.chunk) return;
+    const Index s = index.y;
+    const Index L = p.chunk;
+    const Index n0 = static_cast<Index>(c.size);
+    Index m = 0, advance = 0;
+    if (p.ovq && c.schedule < p.schedule_entries &&
+        p.schedule[2 * c.schedule] == c.absorbed / p.chunk) {
+      m = static_cast<Index>(p.schedule[2 * c.schedule + 1]);
+      advance = 1;
+    }
+    Scalar* nearest = p.nearest + s * L;
+    Index* assigned = p.assigned + s * L;
+    unsigned char* picked = p.picked + s * L;
+    Index* order = p.order + s * L;
+    Index* draws = p.draws + s * L;
+    const DictionaryRows<Scalar> dict{
+        {p.dict_keys.data + s * p.dict_keys.head_stride, p.capacity, p.dk, p.dict_keys.row_stride},
+        {p.dict_values.data + s * p.dict_values.head_stride, p.capacity, p.dv,
+         p.dict_values.row_stride},
+        p.counts + s * p.capacity,
+        p.log_counts + s * p.capacity};
+    unsigned char* raw = static_cast<unsigned char*>(block.shared());
+    Index* first_part = reinterpret_cast<Index*>(raw);
+    Index* best_part = first_part + kThreads;
+    Scalar* value_part = reinterpret_cast<Scalar*>(best_part + kThreads);
+    Index* pick = reinterpret_cast<Index*>(value_part + kThreads);
+
+    block.each([&](int t) {
+      if (s == 0 && t == 0 && p.opened != nullptr) {
+        p.opened[0] = m;
+        p.opened[1] = advance;
+      }
+      for (Index i = t; i < L; i += kThreads) picked[i] = 0;
+      if (!p.spread && t == 0 && m > 0)
+        ovq::kernels::draw_seed_rows(p.seed, c.absorbed / L, L, m, draws);
+    });
+    for (Index step = 0; step < m; ++step) {
+      const Index r = n0 + step;
+      if (p.spread) {
+        block.each([&](int t) {
+          Index first = -1, best = -1;
+          Scalar value = Scalar(0);
+          for (Index i = t; i < L; i += kThreads) {
+            if (picked[i]) continue;
+            if (first < 0) first = i;
+            const Scalar x = nearest[i];
+            if (x != x) continue;
+            if (best < 0 || x < value) {
+              best = i;
+              value = x;
+            }
+          }
+          first_part[t] = first;
+          best_part[t] = best;
+          value_part[t] = value;
+        });
+        block.each([&](int t) {
+          if (t != 0) return;
+          Index first = -1, best = -1;
+          Scalar value = Scalar(0);
+          for (int u = 0; u < kThreads; ++u) {
+            const Index f = first_part[u], b = best_part[u];
+            if (f >= 0 && (first < 0 || f < first)) first = f;
+            if (b >= 0 && (best < 0 || value_part[u] < value ||
+                           (value_part[u] == value && b < best))) {
+              best = b;
+              value = value_part[u];
+            }
+          }
+          const Scalar x = nearest[first];
+          pick[0] = x != x ? first : best;  // a NaN first row is never replaced (CPU scan)
+          picked[pick[0]] = 1;
+        });
+      } else {
+        block.each([&](int t) {
+          if (t == 0) pick[0] = draws[step];
+        });
+      }
+      // Open centroid r on the picked row, then fold its scores into every row.
+      block.each([&](int t) {
+        const Scalar* k = p.keys.row(s, pick[0]);
+        const Scalar* v = p.values.row(s, pick[0]);
+        for (Index col = t; col < p.dk; col += kThreads) dict.keys.row(r)[col] = k[col];
+        for (Index col = t; col < p.dv; col += kThreads) dict.values.row(r)[col] = v[col];
+        if (t == 0) set_count(dict, r, 0);
+      });
+      block.each([&](int t) {
+        const Scalar* seed_key = p.keys.row(s, pick[0]);
+        for (Index i = t; i < L; i += kThreads) {
+          const Scalar* k = p.keys.row(s, i);
+          Scalar dot = Scalar(0);
+          for (Index col = 0; col < p.dk; ++col) dot = std::fma(k[col], seed_key[col], dot);
+          if (dot > nearest[i] || assigned[i] < 0) {
+            nearest[i] = dot;
+            assigned[i] = r;
+          }
+        }
+      });
+    }
+    // Group: row i goes to position rank(i) = #{j : a_j < a_i} + #{j < i : a_j = a_i}.
+    block.each([&](int t) {
+      for (Index i = t; i < L; i += kThreads) {
+        const Index a = assigned[i];
+        Index rank = 0;
+        for (Index j = 0; j < L; ++j) {
+          const Index b = assigned[j];
+          rank += (b < a || (b == a && j < i)) ? 1 : 0;
+        }
+        order[rank] = i;
+      }
+    });
+    // Update the rows of every touched centroid (a group starts where the centroid changes).
+    const Index width = (p.ovq ? p.dk : 0) + p.dv;
+    block.each([&](int t) {
+      for (Index e = t; e < L * width; e += kThreads) {
+        const Index q = e / width, col = e % width;
+        const Index r = assigned[order[q]];
+        if (q > 0 && assigned[order[q - 1]] == r) continue;
+        Index q_end = q + 1;
+        while (q_end < L && assigned[order[q_end]] == r) ++q_end;
+        const bool key = p.ovq && col < p.dk;
+        const Index cc = key ? col : col - (p.ovq ? p.dk : 0);
+        double sum = 0.0;
+        for (Index u = q; u < q_end; ++u) {
+          const Scalar* row = key ? p.keys.row(s, order[u]) : p.values.row(s, order[u]);
+          sum = sum + static_cast<double>(row[cc]);
+        }
+        Scalar* target = key ? dict.keys.row(r) + cc : dict.values.row(r) + cc;
+        const double cnt = static_cast<double>(q_end - q);
+        const double old = static_cast<double>(*target);
+        if (p.adaptive) {
+          const double inv_total = 1.0 / static_cast<double>(dict.counts[r] + (q_end - q));
+          *target = static_cast<Scalar>(
+              old + ovq::detail::mul_rn(sum - ovq::detail::mul_rn(cnt, old), inv_total));
+        } else {
+          const double inv_cnt = 1.0 / cnt;
+          *target = static_cast<Scalar>(ovq::detail::mul_rn(1.0 - p.eta, old) +
+                                        ovq::detail::mul_rn(p.eta, ovq::detail::mul_rn(sum, inv_cnt)));
+        }
+      }
+    });
+    // Counts (the updates above read them from before), then unit-norm keys.
+    block.each([&](int t) {
+      for (Index q = t; q < L; q += kThreads) {
+        const Index r = assigned[order[q]];
+        if (q > 0 && assigned[order[q - 1]] == r) continue;
+        Index q_end = q + 1;
+        while (q_end < L && assigned[order[q_end]] == r) ++q_end;
+        set_count(dict, r, dict.counts[r] + (q_end - q));
+        if (p.ovq && p.renormalize) ovq::kernels::renormalize_row(dict.keys.row(r), p.dk);
+      }
+    });
+  }
+};
+
+}  // namespace ovq::cuda::kernels

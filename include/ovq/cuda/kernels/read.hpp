@@ -1,0 +1,558 @@
+#pragma once
+// The fused read on a GPU: the read contract (kernels/read_contract.hpp) executed
+// FlashAttention-2 style, one thread block per tile of stacked query rows, on FP32 (float) or
+// DFMA (double) arithmetic.
+//
+//   ReadProgram   one query tile: its query rows in shared memory, then key tile after key
+//                 tile (keys and values staged in shared memory), an online softmax per row,
+//                 merge blocks of kBlockKeys positions folded from scratch and merged in order.
+//                 Loop mode (grid.z == 1): the block folds every merge block itself. Split mode
+//                 (grid.z > 1, decode): block z folds merge block z of its tile only and writes
+//                 its (o, m, l) to a workspace that MergeProgram then merges in order.
+//   MergeProgram  the split mode's merge: per stacked row, the blocks' partial states in order.
+//
+// Tile shapes (ReadTraits): kRows stacked rows (query heads of a grouped-query group x
+// positions) by key tiles of kKeyTile slots (64 float, 32 double), features padded with zeros
+// to the compile-time width kD (32, 64, 128 or 256). Thread t of kThreads owns the rows
+// (t / 16) kRowsPerThread + i, the key slots t % 16 + 16 j of each tile and the output columns
+// t % 16 + 16 c. Shared memory: Q (kRows x kD), K (kKeyTile x kD), V (kKeyTile x kD), P^T and
+// two reduction arrays; registers: the rows' accumulators (kRowsPerThread x kD / 16), in loop
+// mode twice (the merged blocks and the current one).
+// Cost: 2 rows (Nm' + Nl') (kD + kD) flops for Nm' + Nl' visible key slots per row, tile-granular.
+//
+// Determinism: every per-element operation is fixed whatever the tile shape, the launch or the
+// GPU: a score is one FMA chain over the features in order, times beta; a tile's row maximum is
+// exact; its row sum adds each thread's keys in order, then the 16 threads' partial sums in
+// order; the P V accumulation is one FMA chain per output entry over the tile's slots in order;
+// the exponentials are ovq's own (core/exact_math.hpp); merges use merge_weights/merge_entry.
+// So prefill tiles (64 rows) and decode tiles (8 rows) give the same bits for a row, the
+// emulation gives the GPU's bits, and a query's output does not depend on its call.
+#include <cfloat>
+#include <cstdint>
+
+#include "ovq/config.hpp"
+#include "ovq/core/exact_math.hpp"
+#include "ovq/core/online_softmax.hpp"
+#include "ovq/core/views.hpp"
+#include "ovq/cuda/block.hpp"
+#include "ovq/cuda/counters.hpp"
+#include "ovq/kernels/read_contract.hpp"
+
+namespace ovq::cuda::kernels {
+
+using ovq::kernels::KeyAxisGeometry;
+using ovq::kernels::kBlockKeys;
+using ovq::kernels::ReadMask;
+using ovq::kernels::SlotRange;
+
+// Rows of one kind (memory or local) of every state: state s, row r at
+// data + s * head_stride + r * row_stride.
+template <class Scalar>
+struct HeadRows {
+  const Scalar* data = nullptr;
+  Index head_stride = 0;
+  Index row_stride = 0;
+
+  OVQ_HOST_DEVICE const Scalar* row(Index s, Index r) const {
+    return data + s * head_stride + r * row_stride;
+  }
+};
+template <class Scalar>
+struct MutableHeadRows {
+  Scalar* data = nullptr;
+  Index head_stride = 0;
+  Index row_stride = 0;
+
+  OVQ_HOST_DEVICE Scalar* row(Index s, Index r) const {
+    return data + s * head_stride + r * row_stride;
+  }
+};
+
+// Where the memory rows and the local rows of a read come from, read off the state's counters
+// at run time (so that a captured decode step reads the state as it is when replayed).
+enum class ReadSource : int {
+  cache,       // memory: the state's last `size` tokens (a ring of `ring` rows); local: the call's
+               // rows, query 0 at local position 0
+  dictionary,  // memory: dictionary rows [0, size) with bias; local: the pending rows, of which
+               // the call's queries are the last n_queries
+};
+
+struct ReadExtent {
+  std::int64_t origin = 0;  // absolute position of memory row 0
+  Index memory_rows = 0;
+  Index local_rows = 0;
+  Index query_offset = 0;
+  Index ring_start = 0;  // ring slot of memory row 0
+};
+
+template <class Scalar>
+struct ReadParams {
+  // Query head g of state s, position i: q.row(s * group + g, i) (dk entries); o likewise (dv).
+  HeadRows<Scalar> q;
+  MutableHeadRows<Scalar> o;
+  Index states = 0;
+  Index group = 1;       // query heads per state
+  Index n_queries = 0;   // positions per query head
+  Index dk = 0, dv = 0;  // <= the program's kD
+  Scalar beta = Scalar(1);
+  bool causal = true;
+  Index window = 0;
+  ReadSource source = ReadSource::cache;
+  const StateCounters* counters = nullptr;
+  HeadRows<Scalar> memory_keys, memory_values;
+  HeadRows<Scalar> bias;  // row_stride 1; data == nullptr: none
+  Index ring = 0;         // cache source: ring capacity (rows), 0 if none
+  HeadRows<Scalar> local_keys, local_values;
+  // Split mode: block z of (tile, state) writes rows x (kD + 2) scalars at
+  // partials + (((s * tiles + tile) * grid_z + z) * kRows + r) * (kD + 2): the kD average
+  // entries, then m and l.
+  Scalar* partials = nullptr;
+  int tiles = 1;   // query tiles per state (grid.x)
+  int splits = 1;  // grid.z
+
+  OVQ_HOST_DEVICE ReadExtent extent() const {
+    ReadExtent e;
+    if (source == ReadSource::cache) {
+      e.memory_rows = static_cast<Index>(counters->size);
+      e.origin = counters->tokens - counters->size;
+      e.local_rows = n_queries;
+      e.query_offset = 0;
+      e.ring_start = ring > 0 ? static_cast<Index>(e.origin % ring) : 0;
+    } else {
+      e.memory_rows = static_cast<Index>(counters->size);
+      e.origin = 0;
+      e.local_rows = static_cast<Index>(counters->pending);
+      e.query_offset = e.local_rows - n_queries;
+    }
+    return e;
+  }
+};
+
+template <class Scalar, int kD, int kRows>
+struct ReadTraits {
+  static_assert(kD % 16 == 0 && kD >= 16, "head widths are multiples of 16");
+  static constexpr int kThreads = kRows >= 32 ? 256 : 128;
+  static constexpr int kKeyTile = sizeof(Scalar) == 4 ? 64 : 32;
+  static constexpr int kGroups = 16;  // key groups per row group, and column groups
+  static constexpr int kKeysPerThread = kKeyTile / kGroups;
+  static constexpr int kRowGroups = kThreads / kGroups;
+  static constexpr int kRowsPerThread = kRows / kRowGroups;
+  static constexpr int kColsPerThread = kD / kGroups;
+  static constexpr int kTilesPerBlock = kBlockKeys / kKeyTile;
+  static_assert(kRows % kRowGroups == 0, "rows divide among the row groups");
+  static_assert(kBlockKeys % kKeyTile == 0, "merge blocks hold whole key tiles");
+  // Shared memory, in scalars. Rows of Q and K are padded by one scalar, so that the 16 keys a
+  // half-warp scores at one feature fall in 16 different banks; P is stored transposed (slot x
+  // row), padded likewise.
+  static constexpr int kQStride = kD + 1;
+  static constexpr int kKStride = kD + 1;
+  static constexpr int kPStride = kRows + 1;
+  static constexpr int kQ = 0;
+  static constexpr int kK = kQ + kRows * kQStride;
+  static constexpr int kV = kK + kKeyTile * kKStride;
+  static constexpr int kP = kV + kKeyTile * kD;
+  static constexpr int kRedMax = kP + kKeyTile * kPStride;
+  static constexpr int kRedSum = kRedMax + kRows * kGroups;
+  static constexpr int kShared = kRedSum + kRows * kGroups;
+};
+
+// The stacked rows of query tile `tile`: heads_per_tile heads of the group times
+// positions_per_tile positions; stacked row r is head h0 + r % heads_per_tile at position
+// p0 + r / heads_per_tile.
+struct QueryTiling {
+  Index heads_per_tile = 1;
+  Index positions_per_tile = 1;
+  Index head_tiles = 1;
+  Index position_tiles = 1;
+
+  OVQ_HOST_DEVICE static QueryTiling make(Index group, Index n_queries, Index rows) {
+    QueryTiling t;
+    t.heads_per_tile = group < rows ? group : rows;
+    t.positions_per_tile = rows / t.heads_per_tile;
+    t.head_tiles = (group + t.heads_per_tile - 1) / t.heads_per_tile;
+    t.position_tiles = (n_queries + t.positions_per_tile - 1) / t.positions_per_tile;
+    return t;
+  }
+  OVQ_HOST_DEVICE Index tiles() const { return head_tiles * position_tiles; }
+};
+
+template <class Scalar, int kD, int kRows>
+struct ReadProgram {
+  using Traits = ReadTraits<Scalar, kD, kRows>;
+  using Params = ReadParams<Scalar>;
+  static constexpr int kThreads = Traits::kThreads;
+  static constexpr int kRPT = Traits::kRowsPerThread;
+  static constexpr int kKPT = Traits::kKeysPerThread;
+  static constexpr int kCPT = Traits::kColsPerThread;
+  static constexpr int kTile = Traits::kKeyTile;
+  static constexpr int kGroups = Traits::kGroups;
+
+  static std::size_t shared_bytes(const Params&) {
+    return static_cast<std::size_t>(Traits::kShared) * sizeof(Scalar);
+  }
+
+  struct Thread {
+    Scalar acc[kRPT][kCPT];  // the current merge block's average
+    Scalar tot[kRPT][kCPT];  // loop mode: the merged blocks before it
+    Scalar s[kRPT][kKPT];    // this tile's scores, then weights
+    SoftmaxStats<Scalar> st[kRPT], st_tot[kRPT];
+    Scalar m_new[kRPT];
+  };
+
+  // The row of the tile a stacked row is: its query head and position, or invalid.
+  struct RowPlace {
+    Index head = 0, position = 0;
+    bool valid = false;
+  };
+  OVQ_HOST_DEVICE static RowPlace place(const Params& p, const QueryTiling& qt, Index tile,
+                                        Index r) {
+    const Index ht = tile % qt.head_tiles, pt = tile / qt.head_tiles;
+    RowPlace out;
+    out.head = ht * qt.heads_per_tile + r % qt.heads_per_tile;
+    out.position = pt * qt.positions_per_tile + r / qt.heads_per_tile;
+    out.valid = r / qt.heads_per_tile < qt.positions_per_tile && out.head < p.group &&
+                out.position < p.n_queries;
+    return out;
+  }
+
+  template <class Block>
+  OVQ_HOST_DEVICE static void run(Block& block, const Params& p, BlockIndex index) {
+    Scalar* sh = static_cast<Scalar*>(block.shared());
+    const Index s = index.y;
+    const Index tile = index.x;
+    const ReadExtent ext = p.extent();
+    const QueryTiling qt = QueryTiling::make(p.group, p.n_queries, kRows);
+    ReadMask mask;
+    mask.causal = p.causal;
+    mask.window = p.window;
+    mask.query_offset = ext.query_offset;
+    const KeyAxisGeometry axis = ovq::kernels::key_axis_geometry(
+        ext.origin, ext.memory_rows, ext.local_rows, mask, p.n_queries);
+
+    // The positions of the tile's valid rows, and the key tiles and merge blocks they see.
+    Index p_first = -1, p_last = -1;
+    for (Index r = 0; r < kRows; ++r) {
+      const RowPlace rp = place(p, qt, tile, r);
+      if (!rp.valid) continue;
+      const Index pos = ext.query_offset + rp.position;
+      if (p_first < 0 || pos < p_first) p_first = pos;
+      if (pos > p_last) p_last = pos;
+    }
+    SlotRange slots;
+    if (p_first >= 0) slots = axis.visible(p_first, p_last);
+    const bool any = !slots.empty();
+    const Index b_first = any ? slots.first / kBlockKeys : 0;
+    const Index b_last = any ? slots.last / kBlockKeys : -1;
+    const bool split = p.splits > 1;
+
+    typename Block::template PerThread<Thread> th;
+    load_queries(block, p, qt, tile, s, sh, th);
+
+    const Index first_block = split ? b_first + index.z : b_first;
+    const Index last_block = split ? (b_first + index.z <= b_last ? first_block : first_block - 1)
+                                   : b_last;
+    for (Index b = first_block; b <= last_block; ++b) {
+      const Index t_lo = b * Traits::kTilesPerBlock > slots.first / kTile
+                             ? b * Traits::kTilesPerBlock
+                             : slots.first / kTile;
+      const Index t_hi = (b + 1) * Traits::kTilesPerBlock - 1 < slots.last / kTile
+                             ? (b + 1) * Traits::kTilesPerBlock - 1
+                             : slots.last / kTile;
+      for (Index t = t_lo; t <= t_hi; ++t) fold_tile(block, p, ext, axis, qt, tile, s, t, sh, th);
+      if (!split) merge_block(block, th);
+    }
+    if (split) {
+      write_partial(block, p, tile, s, index.z, th);
+    } else {
+      store(block, p, qt, tile, s, th);
+    }
+  }
+
+  // Q rows into shared memory (zeros past dk and for invalid rows); every accumulator to the
+  // empty state.
+  template <class Block, class Th>
+  OVQ_HOST_DEVICE static void load_queries(Block& block, const Params& p, const QueryTiling& qt,
+                                           Index tile, Index s, Scalar* sh, Th& th) {
+    block.each([&](int t) {
+      for (int e = t; e < kRows * kD; e += kThreads) {
+        const Index r = e / kD, c = e % kD;
+        const RowPlace rp = place(p, qt, tile, r);
+        Scalar x = Scalar(0);
+        if (rp.valid && c < p.dk) x = p.q.row(s * p.group + rp.head, rp.position)[c];
+        sh[Traits::kQ + r * Traits::kQStride + c] = x;
+      }
+      Thread& me = th[t];
+      OVQ_UNROLL
+      for (int i = 0; i < kRPT; ++i) {
+        me.st[i] = SoftmaxStats<Scalar>{};
+        me.st_tot[i] = SoftmaxStats<Scalar>{};
+        OVQ_UNROLL
+        for (int c = 0; c < kCPT; ++c) {
+          me.acc[i][c] = Scalar(0);
+          me.tot[i][c] = Scalar(0);
+        }
+      }
+    });
+  }
+
+  // The key row (or value row) behind slot x of the axis, or nullptr for an empty slot.
+  OVQ_HOST_DEVICE static const Scalar* slot_row(const Params& p, const ReadExtent& ext,
+                                                const KeyAxisGeometry& axis, Index s, Index x,
+                                                bool values) {
+    if (x < axis.pad || x >= axis.end()) return nullptr;
+    if (x < axis.local_begin()) {
+      Index r = x - axis.pad;
+      if (p.ring > 0) r = (ext.ring_start + r) % p.ring;
+      return values ? p.memory_values.row(s, r) : p.memory_keys.row(s, r);
+    }
+    const Index j = x - axis.local_begin();
+    return values ? p.local_values.row(s, j) : p.local_keys.row(s, j);
+  }
+
+  // Folds key tile t (slots [t kTile, (t + 1) kTile)) into every row's current block.
+  template <class Block, class Th>
+  OVQ_HOST_DEVICE static void fold_tile(Block& block, const Params& p, const ReadExtent& ext,
+                                        const KeyAxisGeometry& axis, const QueryTiling& qt,
+                                        Index tile, Index s, Index t, Scalar* sh, Th& th) {
+    const Index x0 = t * kTile;
+    // 1. The tile's keys and values into shared memory (zeros for empty slots and past d).
+    block.each([&](int tid) {
+      for (int e = tid; e < kTile * kD; e += kThreads) {
+        const Index j = e / kD, c = e % kD;
+        const Scalar* kr = slot_row(p, ext, axis, s, x0 + j, false);
+        const Scalar* vr = slot_row(p, ext, axis, s, x0 + j, true);
+        sh[Traits::kK + j * Traits::kKStride + c] = kr != nullptr && c < p.dk ? kr[c] : Scalar(0);
+        sh[Traits::kV + j * kD + c] = vr != nullptr && c < p.dv ? vr[c] : Scalar(0);
+      }
+    });
+    // 2. Scores, bias, saturation, mask; each thread's maximum per row.
+    block.each([&](int tid) {
+      Thread& me = th[tid];
+      const int kg = tid % kGroups, rg = tid / kGroups;
+      OVQ_UNROLL
+      for (int i = 0; i < kRPT; ++i) {
+        const int r = rg * kRPT + i;
+        const Scalar* q = sh + Traits::kQ + r * Traits::kQStride;
+        const RowPlace rp = place(p, qt, tile, r);
+        const Index pos = ext.query_offset + rp.position;
+        const Index lo = rp.valid ? axis.first(pos) : 1;
+        const Index hi = rp.valid ? axis.last(pos) : 0;  // inclusive
+        Scalar largest = -Scalar(INFINITY);
+        OVQ_UNROLL
+        for (int j = 0; j < kKPT; ++j) {
+          const int key = kg + kGroups * j;
+          const Scalar* k = sh + Traits::kK + key * Traits::kKStride;
+          Scalar dot = Scalar(0);
+          for (int c = 0; c < kD; ++c) dot = std::fma(q[c], k[c], dot);
+          Scalar x = ovq::detail::mul_rn(dot, p.beta);
+          const Index slot = x0 + key;
+          if (p.bias.data != nullptr && slot >= axis.memory_begin() && slot < axis.local_begin())
+            x = x + p.bias.row(s, slot - axis.pad)[0];
+          x = saturate(x);
+          if (slot < lo || slot > hi) x = -Scalar(INFINITY);
+          me.s[i][j] = x;
+          if (x > largest) largest = x;
+        }
+        sh[Traits::kRedMax + r * kGroups + kg] = largest;
+      }
+    });
+    // 3. The row maxima; exponentials; each thread's sum per row.
+    block.each([&](int tid) {
+      Thread& me = th[tid];
+      const int kg = tid % kGroups, rg = tid / kGroups;
+      OVQ_UNROLL
+      for (int i = 0; i < kRPT; ++i) {
+        const int r = rg * kRPT + i;
+        Scalar tile_max = -Scalar(INFINITY);
+        for (int g = 0; g < kGroups; ++g) {
+          const Scalar x = sh[Traits::kRedMax + r * kGroups + g];
+          if (x > tile_max) tile_max = x;
+        }
+        const Scalar m_new = me.st[i].m > tile_max ? me.st[i].m : tile_max;
+        me.m_new[i] = m_new;
+        Scalar sum = Scalar(0);
+        OVQ_UNROLL
+        for (int j = 0; j < kKPT; ++j) {
+          const Scalar e =
+              m_new == -Scalar(INFINITY) ? Scalar(0) : ovq::detail::exp_nonpositive(me.s[i][j] - m_new);
+          me.s[i][j] = e;
+          sum = sum + e;
+        }
+        sh[Traits::kRedSum + r * kGroups + kg] = sum;
+      }
+    });
+    // 4. The row sums; the online-softmax update; P / l into shared memory (transposed).
+    block.each([&](int tid) {
+      Thread& me = th[tid];
+      const int kg = tid % kGroups, rg = tid / kGroups;
+      OVQ_UNROLL
+      for (int i = 0; i < kRPT; ++i) {
+        const int r = rg * kRPT + i;
+        const Scalar m_new = me.m_new[i];
+        Scalar inv = Scalar(0);
+        if (m_new != -Scalar(INFINITY)) {
+          Scalar sum = Scalar(0);
+          for (int g = 0; g < kGroups; ++g) sum = sum + sh[Traits::kRedSum + r * kGroups + g];
+          SoftmaxStats<Scalar>& st = me.st[i];
+          const Scalar l_kept =
+              st.m == m_new ? st.l : ovq::detail::mul_rn(st.l, ovq::detail::exp_nonpositive(st.m - m_new));
+          const Scalar l_new = l_kept + sum;
+          const Scalar keep = l_kept / l_new;
+          inv = Scalar(1) / l_new;
+          if (keep != Scalar(1)) {
+            // keep = 0: the old rows vanish next to the new maximum (assigned, not multiplied,
+            // so that an average that rounded to inf leaves no 0 * inf).
+            OVQ_UNROLL
+            for (int c = 0; c < kCPT; ++c)
+              me.acc[i][c] = keep == Scalar(0) ? Scalar(0) : ovq::detail::mul_rn(me.acc[i][c], keep);
+          }
+          st.l = l_new;
+          st.m = m_new;
+        }
+        OVQ_UNROLL
+        for (int j = 0; j < kKPT; ++j)
+          sh[Traits::kP + (kg + kGroups * j) * Traits::kPStride + r] =
+              ovq::detail::mul_rn(me.s[i][j], inv);
+      }
+    });
+    // 5. P V: each output entry one FMA chain over the tile's slots in order.
+    block.each([&](int tid) {
+      Thread& me = th[tid];
+      const int kg = tid % kGroups, rg = tid / kGroups;
+      for (int j = 0; j < kTile; ++j) {
+        const Scalar* v = sh + Traits::kV + j * kD;
+        const Scalar* w = sh + Traits::kP + j * Traits::kPStride + rg * kRPT;
+        OVQ_UNROLL
+        for (int i = 0; i < kRPT; ++i)
+          OVQ_UNROLL
+          for (int c = 0; c < kCPT; ++c) me.acc[i][c] = std::fma(w[i], v[kg + kGroups * c], me.acc[i][c]);
+      }
+    });
+  }
+
+  // A logit saturated to the finite range: an overflowing product of finite inputs, or the NaN
+  // of inf - inf inside one, becomes +-max (NaN: -max).
+  OVQ_HOST_DEVICE static Scalar saturate(Scalar x) {
+    const Scalar kMax = largest_finite();
+    if (!(x >= -kMax)) return -kMax;
+    return x > kMax ? kMax : x;
+  }
+  OVQ_HOST_DEVICE static Scalar largest_finite() {
+    if constexpr (sizeof(Scalar) == 4) {
+      return FLT_MAX;
+    } else {
+      return DBL_MAX;
+    }
+  }
+
+  // Loop mode: the finished merge block into the merged result; the next block starts empty.
+  template <class Block, class Th>
+  OVQ_HOST_DEVICE static void merge_block(Block& block, Th& th) {
+    block.each([&](int tid) {
+      Thread& me = th[tid];
+      OVQ_UNROLL
+      for (int i = 0; i < kRPT; ++i) {
+        const MergeWeights<Scalar> w = merge_weights<ExactExp>(me.st_tot[i], me.st[i]);
+        OVQ_UNROLL
+        for (int c = 0; c < kCPT; ++c) {
+          me.tot[i][c] = merge_entry<true>(w, me.tot[i][c], me.acc[i][c]);
+          me.acc[i][c] = Scalar(0);
+        }
+        me.st_tot[i] = w.stats;
+        me.st[i] = SoftmaxStats<Scalar>{};
+      }
+    });
+  }
+
+  // The outputs: the merged average (0 where no key was visible), clamped to the finite range.
+  template <class Block, class Th>
+  OVQ_HOST_DEVICE static void store(Block& block, const Params& p, const QueryTiling& qt,
+                                    Index tile, Index s, Th& th) {
+    block.each([&](int tid) {
+      Thread& me = th[tid];
+      const int kg = tid % kGroups, rg = tid / kGroups;
+      OVQ_UNROLL
+      for (int i = 0; i < kRPT; ++i) {
+        const RowPlace rp = place(p, qt, tile, rg * kRPT + i);
+        if (!rp.valid) continue;
+        Scalar* out = p.o.row(s * p.group + rp.head, rp.position);
+        OVQ_UNROLL
+        for (int c = 0; c < kCPT; ++c) {
+          const Index col = kg + kGroups * c;
+          if (col < p.dv) out[col] = clamp_finite(me.tot[i][c]);
+        }
+      }
+    });
+  }
+
+  OVQ_HOST_DEVICE static Scalar clamp_finite(Scalar x) {
+    const Scalar kMax = largest_finite();
+    return x < -kMax ? -kMax : (x > kMax ? kMax : x);
+  }
+
+  // Split mode: this block's state (empty if it had no merge block to fold).
+  template <class Block, class Th>
+  OVQ_HOST_DEVICE static void write_partial(Block& block, const Params& p, Index tile, Index s,
+                                            Index z, Th& th) {
+    block.each([&](int tid) {
+      Thread& me = th[tid];
+      const int kg = tid % kGroups, rg = tid / kGroups;
+      OVQ_UNROLL
+      for (int i = 0; i < kRPT; ++i) {
+        const Index r = rg * kRPT + i;
+        Scalar* out = p.partials + (((s * p.tiles + tile) * p.splits + z) * kRows + r) * (kD + 2);
+        OVQ_UNROLL
+        for (int c = 0; c < kCPT; ++c) out[kg + kGroups * c] = me.acc[i][c];
+        if (kg == 0) {
+          out[kD] = me.st[i].m;
+          out[kD + 1] = me.st[i].l;
+        }
+      }
+    });
+  }
+};
+
+// Split mode's merge: block (tile, state); thread t handles stacked row t / 16 and columns
+// t % 16 + 16 c, merging the splits' partial states in increasing block order.
+template <class Scalar, int kD, int kRows>
+struct MergeProgram {
+  using Params = ReadParams<Scalar>;
+  static constexpr int kThreads = kRows * 16;
+  static std::size_t shared_bytes(const Params&) { return 0; }
+
+  template <class Block>
+  OVQ_HOST_DEVICE static void run(Block& block, const Params& p, BlockIndex index) {
+    using Read = ReadProgram<Scalar, kD, kRows>;
+    const Index s = index.y, tile = index.x;
+    const QueryTiling qt = QueryTiling::make(p.group, p.n_queries, kRows);
+    block.each([&](int tid) {
+      const Index r = tid / 16;
+      const int kg = tid % 16;
+      const auto rp = Read::place(p, qt, tile, r);
+      if (!rp.valid) return;
+      Scalar o[kD / 16];
+      OVQ_UNROLL
+      for (int c = 0; c < kD / 16; ++c) o[c] = Scalar(0);
+      SoftmaxStats<Scalar> st;
+      for (int z = 0; z < p.splits; ++z) {
+        const Scalar* part =
+            p.partials + (((s * p.tiles + tile) * p.splits + z) * kRows + r) * (kD + 2);
+        SoftmaxStats<Scalar> b;
+        b.m = part[kD];
+        b.l = part[kD + 1];
+        const MergeWeights<Scalar> w = merge_weights<ExactExp>(st, b);
+        OVQ_UNROLL
+        for (int c = 0; c < kD / 16; ++c) o[c] = merge_entry<true>(w, o[c], part[kg + 16 * c]);
+        st = w.stats;
+      }
+      Scalar* out = p.o.row(s * p.group + rp.head, rp.position);
+      OVQ_UNROLL
+      for (int c = 0; c < kD / 16; ++c) {
+        const Index col = kg + 16 * c;
+        if (col < p.dv) out[col] = Read::clamp_finite(o[c]);
+      }
+    });
+  }
+};
+
+}  // namespace ovq::cuda::kernels

@@ -1,0 +1,439 @@
+#pragma once
+// OVQ-attention on a device (MATH.md section 4): the CPU mixer's options and mathematics, over
+// online dictionaries in device memory batched over (batch x key/value heads).
+//
+// OvqDeviceState: per head D_k (N x dk), D_v (N x dv), 64-bit counts and their logs (the read
+// bias), the pending chunk (L rows); shared by the heads, the counters (t, n, pending) and the
+// growth schedule (schedule.hpp). All heads of a state see the same stream positions, so they
+// grow alike.
+// BasicOvqAttention<Scalar, Backend>: forward / step / absorb. Per piece of the stream (up to
+// the end of the current chunk): the rows join the pending chunk, the queries read the
+// dictionary (bias log c) and the chunk's raw rows; a complete chunk is written: assignment to
+// the old centroids (AssignProgram), seeding, grouping and the sparse update
+// (DictionaryWriteProgram), the counters (CounterProgram). A step's kernels are the same
+// whatever the position, and the write's decide on the device whether the chunk is complete, so
+// a step can be captured in a CUDA graph and replayed.
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "ovq/cuda/buffer.hpp"
+#include "ovq/cuda/checks.hpp"
+#include "ovq/cuda/kernels/assign.hpp"
+#include "ovq/cuda/kernels/dictionary_write.hpp"
+#include "ovq/cuda/kernels/launch.hpp"
+#include "ovq/cuda/kernels/read.hpp"
+#include "ovq/cuda/kernels/rows.hpp"
+#include "ovq/cuda/schedule.hpp"
+#include "ovq/cuda/state_base.hpp"
+#include "ovq/cuda/views.hpp"
+#include "ovq/cuda/workspace.hpp"
+#include "ovq/mixers/ovq_attention.hpp"
+#include "ovq/state/ovq_state.hpp"
+
+namespace ovq::cuda {
+
+// The longest chunk of the CUDA dictionary writes (their grouping is quadratic in L).
+inline constexpr Index kMaxDeviceChunk = 4096;
+
+template <class Scalar, class Backend>
+class OvqDeviceState : public StateBase<Backend> {
+  using Base = StateBase<Backend>;
+
+ public:
+  using Stream = typename Backend::Stream;
+  using scalar_type = Scalar;
+  using HostState = OvqState<Scalar>;
+
+  OvqDeviceState(Index heads, Index capacity, Index chunk, Index dk, Index dv, Growth growth,
+                 Stream stream)
+      : Base(stream), heads_(heads), capacity_(capacity), chunk_(chunk), dk_(dk), dv_(dv),
+        growth_(growth) {
+    const char* where = "cuda::OvqState";
+    ovq::detail::check_positive(where, "heads", heads);
+    ovq::detail::check_positive(where, "capacity", capacity);
+    ovq::detail::require(chunk >= 1 && chunk <= kMaxDeviceChunk, where, "chunk = ", chunk,
+                         ", expected 1 ... ", kMaxDeviceChunk, " on CUDA");
+    detail::check_widths(where, dk, dv);
+    const auto rows = static_cast<std::size_t>(heads * capacity);
+    const auto pending = static_cast<std::size_t>(heads * chunk);
+    keys_ = DeviceBuffer<Scalar, Backend>(rows * dk, stream);
+    values_ = DeviceBuffer<Scalar, Backend>(rows * dv, stream);
+    counts_ = DeviceBuffer<std::int64_t, Backend>(rows, stream);
+    log_counts_ = DeviceBuffer<Scalar, Backend>(rows, stream);
+    pending_keys_ = DeviceBuffer<Scalar, Backend>(pending * dk, stream);
+    pending_values_ = DeviceBuffer<Scalar, Backend>(pending * dv, stream);
+    plan_schedule(0, 0, stream);
+  }
+
+  Index heads() const { return heads_; }
+  Index capacity() const { return capacity_; }
+  Index chunk() const { return chunk_; }
+  Index key_dim() const { return dk_; }
+  Index value_dim() const { return dv_; }
+  // As the host last saw them (see StateBase).
+  std::int64_t absorbed() const { return this->counters().absorbed; }
+  std::int64_t tokens() const { return this->counters().tokens; }
+  Index size() const { return static_cast<Index>(this->counters().size); }
+  Index pending() const { return static_cast<Index>(this->counters().pending); }
+
+  // heads x capacity rows (rows [0, size()) active); heads x chunk pending rows.
+  HeadsView<Scalar> keys() const { return contiguous_heads(keys_.data(), heads_, capacity_, dk_); }
+  HeadsView<Scalar> values() const {
+    return contiguous_heads(values_.data(), heads_, capacity_, dv_);
+  }
+  HeadsView<Scalar> pending_keys() const {
+    return contiguous_heads(pending_keys_.data(), heads_, chunk_, dk_);
+  }
+  HeadsView<Scalar> pending_values() const {
+    return contiguous_heads(pending_values_.data(), heads_, chunk_, dv_);
+  }
+  std::int64_t* counts() const { return counts_.data(); }
+  Scalar* log_counts() const { return log_counts_.data(); }
+
+  // Payload bytes, as the CPU state counts them (full capacity and chunk, whatever is active).
+  std::size_t bytes() const {
+    return static_cast<std::size_t>(heads_) *
+           (static_cast<std::size_t>(capacity_) *
+                ((dk_ + dv_ + 1) * sizeof(Scalar) + sizeof(std::int64_t)) +
+            static_cast<std::size_t>(chunk_ * (dk_ + dv_)) * sizeof(Scalar));
+  }
+
+  void reset(Stream stream) {
+    this->upload(StateCounters{}, stream);
+    plan_schedule(0, 0, stream);
+  }
+
+  // The host's states, one per head (synchronises the stream).
+  std::vector<HostState> to_host(Stream stream) {
+    this->synchronize(stream);
+    const Index n = size(), p = pending();
+    const auto rows = static_cast<std::size_t>(heads_ * capacity_);
+    std::vector<Scalar> k(rows * dk_), v(rows * dv_);
+    std::vector<std::int64_t> cnt(rows);
+    std::vector<Scalar> pk(static_cast<std::size_t>(heads_ * chunk_ * dk_)),
+        pv(static_cast<std::size_t>(heads_ * chunk_ * dv_));
+    Backend::copy(k.data(), keys_.data(), k.size() * sizeof(Scalar), stream);
+    Backend::copy(v.data(), values_.data(), v.size() * sizeof(Scalar), stream);
+    Backend::copy(cnt.data(), counts_.data(), cnt.size() * sizeof(std::int64_t), stream);
+    Backend::copy(pk.data(), pending_keys_.data(), pk.size() * sizeof(Scalar), stream);
+    Backend::copy(pv.data(), pending_values_.data(), pv.size() * sizeof(Scalar), stream);
+    Backend::synchronize(stream);
+    std::vector<HostState> out;
+    for (Index h = 0; h < heads_; ++h) {
+      out.emplace_back(capacity_, chunk_, dk_, dv_);
+      Dictionary<Scalar>& d = out.back().dictionary();
+      for (Index r = 0; r < n; ++r)
+        d.push(k.data() + (h * capacity_ + r) * dk_, v.data() + (h * capacity_ + r) * dv_,
+               cnt[static_cast<std::size_t>(h * capacity_ + r)]);
+      out.back().restore(absorbed(), {pk.data() + h * chunk_ * dk_, p, dk_, dk_},
+                         {pv.data() + h * chunk_ * dv_, p, dv_, dv_});
+    }
+    return out;
+  }
+
+  // Replaces the state with the host's: one per head, each of this state's shape, all at the
+  // same stream position with the same dictionary size (as the heads of one stream are).
+  void from_host(const std::vector<HostState>& states, Stream stream) {
+    const char* where = "cuda::OvqState::from_host";
+    ovq::detail::require(static_cast<Index>(states.size()) == heads_, where, "got ",
+                         states.size(), " states, expected ", heads_, " (one per head)");
+    for (const HostState& st : states) {
+      ovq::detail::require(st.capacity() == capacity_ && st.chunk() == chunk_ &&
+                               st.key_dim() == dk_ && st.value_dim() == dv_,
+                           where, "a state has (N, L, dk, dv) = (", st.capacity(), ", ",
+                           st.chunk(), ", ", st.key_dim(), ", ", st.value_dim(), "), expected (",
+                           capacity_, ", ", chunk_, ", ", dk_, ", ", dv_, ")");
+      ovq::detail::require(st.absorbed() == states[0].absorbed() &&
+                               st.pending() == states[0].pending() &&
+                               st.dictionary().size() == states[0].dictionary().size(),
+                           where, "states differ in (t, pending, n), expected one stream");
+    }
+    const Index n = states[0].dictionary().size(), p = states[0].pending();
+    const auto rows = static_cast<std::size_t>(heads_ * capacity_);
+    std::vector<Scalar> k(rows * dk_, Scalar(0)), v(rows * dv_, Scalar(0)), logc(rows);
+    std::vector<std::int64_t> cnt(rows, 0);
+    std::vector<Scalar> pk(static_cast<std::size_t>(heads_ * chunk_ * dk_), Scalar(0)),
+        pv(static_cast<std::size_t>(heads_ * chunk_ * dv_), Scalar(0));
+    for (Index h = 0; h < heads_; ++h) {
+      const HostState& st = states[static_cast<std::size_t>(h)];
+      const Dictionary<Scalar>& d = st.dictionary();
+      for (Index r = 0; r < n; ++r) {
+        std::copy_n(d.keys().row(r), dk_, k.data() + (h * capacity_ + r) * dk_);
+        std::copy_n(d.values().row(r), dv_, v.data() + (h * capacity_ + r) * dv_);
+        cnt[static_cast<std::size_t>(h * capacity_ + r)] = d.count(r);
+      }
+      for (Index r = 0; r < capacity_; ++r)
+        logc[static_cast<std::size_t>(h * capacity_ + r)] = d.log_counts()[r];
+      for (Index i = 0; i < p; ++i) {
+        std::copy_n(st.pending_keys().row(i), dk_, pk.data() + (h * chunk_ + i) * dk_);
+        std::copy_n(st.pending_values().row(i), dv_, pv.data() + (h * chunk_ + i) * dv_);
+      }
+    }
+    Backend::copy(keys_.data(), k.data(), k.size() * sizeof(Scalar), stream);
+    Backend::copy(values_.data(), v.data(), v.size() * sizeof(Scalar), stream);
+    Backend::copy(counts_.data(), cnt.data(), cnt.size() * sizeof(std::int64_t), stream);
+    Backend::copy(log_counts_.data(), logc.data(), logc.size() * sizeof(Scalar), stream);
+    Backend::copy(pending_keys_.data(), pk.data(), pk.size() * sizeof(Scalar), stream);
+    Backend::copy(pending_values_.data(), pv.data(), pv.size() * sizeof(Scalar), stream);
+    StateCounters c;
+    c.absorbed = states[0].absorbed();
+    c.tokens = states[0].tokens();
+    c.size = n;
+    c.pending = p;
+    this->upload(c, stream);
+    plan_schedule(c.absorbed, n, stream);
+    Backend::synchronize(stream);  // the host vectors are the copies' sources
+  }
+
+  const std::vector<std::int64_t>& schedule() const { return schedule_host_; }
+  const std::int64_t* device_schedule() const { return schedule_.data(); }
+
+ private:
+  template <class S, class B>
+  friend class BasicOvqAttention;
+
+  // The growth schedule from (t, n); the counters' next entry is its first.
+  void plan_schedule(std::int64_t t, Index n, Stream stream) {
+    schedule_host_ = growth_schedule(growth_, capacity_, chunk_, t, n);
+    schedule_ = DeviceBuffer<std::int64_t, Backend>(std::max<std::size_t>(schedule_host_.size(), 2),
+                                                    stream);
+    Backend::copy(schedule_.data(), schedule_host_.data(),
+                  schedule_host_.size() * sizeof(std::int64_t), stream);
+  }
+  // The counters after the complete chunk they are at is written, as the device's write and
+  // CounterProgram leave them.
+  void complete_on_host(StateCounters& c) const {
+    const std::int64_t chunk_index = c.absorbed / chunk_;
+    const auto entry = static_cast<std::size_t>(2 * c.schedule);
+    if (entry < schedule_host_.size() && schedule_host_[entry] == chunk_index) {
+      c.size += schedule_host_[entry + 1];
+      c.schedule += 1;
+    }
+    c.absorbed += chunk_;
+    c.pending = 0;
+  }
+
+  Index heads_, capacity_, chunk_, dk_, dv_;
+  Growth growth_;
+  DeviceBuffer<Scalar, Backend> keys_, values_, log_counts_, pending_keys_, pending_values_;
+  DeviceBuffer<std::int64_t, Backend> counts_, schedule_;
+  std::vector<std::int64_t> schedule_host_;
+};
+
+template <class Scalar, class Backend>
+class BasicOvqAttention {
+ public:
+  using Options = OvqOptions;
+  using State = OvqDeviceState<Scalar, Backend>;
+  using Stream = typename Backend::Stream;
+  using scalar_type = Scalar;
+
+  explicit BasicOvqAttention(const Options& options = {}) : options_(options) {
+    const char* where = "cuda::OvqAttention";
+    options_.validate(where);
+    ovq::detail::check_scalar_range<Scalar>(where, "beta", options_.beta);
+    ovq::detail::require(options_.chunk <= kMaxDeviceChunk, where, "chunk = ", options_.chunk,
+                         ", expected at most ", kMaxDeviceChunk, " on CUDA");
+  }
+
+  const Options& options() const { return options_; }
+
+  // `heads` = batch x key/value heads.
+  State make_state(Index heads, Index dk, Index dv, Stream stream = {}) const {
+    return State(heads, options_.capacity, options_.chunk, dk, dv, options_.growth, stream);
+  }
+
+  void check_state(const char* where, const State& state) const {
+    ovq::detail::require(state.capacity() == options_.capacity, where, "state capacity = ",
+                         state.capacity(), ", expected ", options_.capacity, " (the mixer's)");
+    ovq::detail::require(state.chunk() == options_.chunk, where, "state chunk = ", state.chunk(),
+                         ", expected ", options_.chunk, " (the mixer's)");
+  }
+
+  // q: (heads g, T, dk), k: (heads, T, dk), v: (heads, T, dv), o: (heads g, T, dv) written.
+  void forward(State& state, ConstHeadsView<Scalar> q, ConstHeadsView<Scalar> k,
+               ConstHeadsView<Scalar> v, HeadsView<Scalar> o, Stream stream = {}) const {
+    run("forward", state, &q, k, v, &o, stream);
+  }
+  void step(State& state, ConstHeadsView<Scalar> q, ConstHeadsView<Scalar> k,
+            ConstHeadsView<Scalar> v, HeadsView<Scalar> o, Stream stream = {}) const {
+    ovq::detail::check_rows("step", "K", k.rows, 1, "one token per step");
+    run("step", state, &q, k, v, &o, stream);
+  }
+  void absorb(State& state, ConstHeadsView<Scalar> k, ConstHeadsView<Scalar> v,
+              Stream stream = {}) const {
+    run("absorb", state, nullptr, k, v, nullptr, stream);
+  }
+
+ private:
+  struct WriteWorkspace {
+    detail::WorkspaceLayout layout;
+    std::size_t nearest, assigned, picked, order, draws, opened, partials;
+  };
+  WriteWorkspace layout(const State& st, std::size_t read_scalars) const {
+    WriteWorkspace w;
+    const auto rows = static_cast<std::size_t>(st.heads() * st.chunk());
+    w.nearest = w.layout.template add<Scalar>(rows);
+    w.assigned = w.layout.template add<Index>(rows);
+    w.picked = w.layout.template add<unsigned char>(rows);
+    w.order = w.layout.template add<Index>(rows);
+    w.draws = w.layout.template add<Index>(rows);
+    w.opened = w.layout.template add<std::int64_t>(2);
+    w.partials = w.layout.template add<Scalar>(read_scalars);
+    return w;
+  }
+
+  void run(const char* where, State& st, const ConstHeadsView<Scalar>* q,
+           ConstHeadsView<Scalar> k, ConstHeadsView<Scalar> v, const HeadsView<Scalar>* o,
+           Stream stream) const {
+    check_state(where, st);
+    detail::check_call(where, st.heads(), st.key_dim(), st.value_dim(), q, k, v, o);
+    st.begin_call(stream);
+    const Index n = k.rows;
+    if (n == 0) return;
+    const bool capturing = Backend::capturing(stream);
+    kernels::CheckFiniteParams<Scalar> check;
+    check.inputs[check.count++] = k;
+    check.inputs[check.count++] = v;
+    if (q != nullptr) check.inputs[check.count++] = *q;
+    check.counters = st.device_counters();
+    Backend::template launch<kernels::CheckFiniteProgram<Scalar>>(
+        Grid{kernels::CheckFiniteProgram<Scalar>::kBlocks, 1, 1}, check, stream);
+
+    StateCounters after = st.counters();
+    const Index chunk = st.chunk();
+    for (Index pos = 0; pos < n;) {
+      const Index offset = static_cast<Index>(after.pending);
+      const Index len = std::min(chunk - offset, n - pos);
+      push(st, k.middle_rows(pos, len), v.middle_rows(pos, len), stream);
+      after.pending += len;
+      after.tokens += len;
+      // A captured step must work at any position: its read is planned for a full dictionary
+      // and chunk, and its write is always launched (it runs only on a complete chunk).
+      const Index memory = capturing ? st.capacity() : static_cast<Index>(after.size);
+      const Index local = capturing ? chunk : static_cast<Index>(after.pending);
+      kernels::ReadPlan plan;
+      if (q != nullptr)
+        plan = kernels::plan_read(st.heads(), q->heads / st.heads(), len,
+                                  std::max(st.key_dim(), st.value_dim()), memory + local,
+                                  sizeof(Scalar) == 8);
+      const WriteWorkspace w = layout(st, plan.workspace_scalars);
+      void* ws = st.template workspace<unsigned char>(w.layout.bytes(), stream, where);
+      if (q != nullptr)
+        read(st, q->middle_rows(pos, len), o->middle_rows(pos, len), plan,
+             detail::WorkspaceLayout::at<Scalar>(ws, w.partials), stream);
+      if (after.pending == chunk || capturing) {
+        write(st, w, ws, stream);
+        if (after.pending == chunk) st.complete_on_host(after);
+      }
+      pos += len;
+    }
+    st.end_call(after, stream);
+  }
+
+  void push(State& st, ConstHeadsView<Scalar> k, ConstHeadsView<Scalar> v, Stream stream) const {
+    kernels::CopyRowsParams<Scalar> c;
+    c.src[0] = k;
+    c.src[1] = v;
+    c.dst[0] = st.pending_keys();
+    c.dst[1] = st.pending_values();
+    c.counters = st.device_counters();
+    c.to_pending = true;
+    c.limit = st.chunk();
+    Backend::template launch<kernels::CopyRowsProgram<Scalar>>(
+        Grid{static_cast<int>(k.rows), static_cast<int>(st.heads()), 1}, c, stream);
+    kernels::CounterParams u;
+    u.counters = st.device_counters();
+    u.op = kernels::CounterOp::push;
+    u.n = k.rows;
+    u.limit = st.chunk();
+    Backend::template launch<kernels::CounterProgram>(Grid{}, u, stream);
+  }
+
+  void read(State& st, ConstHeadsView<Scalar> q, HeadsView<Scalar> o, const kernels::ReadPlan& plan,
+            Scalar* partials, Stream stream) const {
+    kernels::ReadParams<Scalar> p;
+    p.q = {q.data, q.head_stride, q.row_stride};
+    p.o = {o.data, o.head_stride, o.row_stride};
+    p.states = st.heads();
+    p.group = q.heads / st.heads();
+    p.n_queries = q.rows;
+    p.dk = st.key_dim();
+    p.dv = st.value_dim();
+    p.beta = static_cast<Scalar>(options_.beta);
+    p.causal = true;
+    p.source = kernels::ReadSource::dictionary;
+    p.counters = st.device_counters();
+    p.memory_keys = {st.keys_.data(), st.capacity() * st.key_dim(), st.key_dim()};
+    p.memory_values = {st.values_.data(), st.capacity() * st.value_dim(), st.value_dim()};
+    p.bias = {st.log_counts_.data(), st.capacity(), 1};
+    p.local_keys = {st.pending_keys_.data(), st.chunk() * st.key_dim(), st.key_dim()};
+    p.local_values = {st.pending_values_.data(), st.chunk() * st.value_dim(), st.value_dim()};
+    kernels::launch_read<Backend>(p, plan, partials, stream);
+  }
+
+  void write(State& st, const WriteWorkspace& w, void* ws, Stream stream) const {
+    using detail::WorkspaceLayout;
+    const int heads = static_cast<int>(st.heads());
+    Scalar* nearest = WorkspaceLayout::at<Scalar>(ws, w.nearest);
+    Index* assigned = WorkspaceLayout::at<Index>(ws, w.assigned);
+    std::int64_t* opened = WorkspaceLayout::at<std::int64_t>(ws, w.opened);
+
+    kernels::AssignParams<Scalar> a;
+    a.x = {st.pending_keys_.data(), st.chunk() * st.key_dim(), st.key_dim()};
+    a.rows = st.chunk();
+    a.d = st.key_dim();
+    a.centroids = {st.keys_.data(), st.capacity() * st.key_dim(), st.key_dim()};
+    a.counters = st.device_counters();
+    a.complete_chunk = st.chunk();
+    a.best = nearest;
+    a.arg = assigned;
+    kernels::dispatch_width(st.key_dim(), [&](auto width) {
+      using Assign = kernels::AssignProgram<Scalar, decltype(width)::value>;
+      Backend::template launch<Assign>(
+          Grid{static_cast<int>((st.chunk() + Assign::kRows - 1) / Assign::kRows), heads, 1}, a,
+          stream);
+    });
+
+    kernels::DictionaryWriteParams<Scalar> d;
+    d.keys = a.x;
+    d.values = {st.pending_values_.data(), st.chunk() * st.value_dim(), st.value_dim()};
+    d.chunk = st.chunk();
+    d.dk = st.key_dim();
+    d.dv = st.value_dim();
+    d.dict_keys = {st.keys_.data(), st.capacity() * st.key_dim(), st.key_dim()};
+    d.dict_values = {st.values_.data(), st.capacity() * st.value_dim(), st.value_dim()};
+    d.counts = st.counts_.data();
+    d.log_counts = st.log_counts_.data();
+    d.capacity = st.capacity();
+    d.counters = st.device_counters();
+    d.ovq = true;
+    d.schedule = st.device_schedule();
+    d.schedule_entries = static_cast<Index>(st.schedule().size() / 2);
+    d.spread = options_.seeding.kind == Seeding::Kind::spread;
+    d.seed = options_.seeding.seed;
+    d.adaptive = options_.rate.kind == UpdateRate::Kind::adaptive;
+    d.eta = options_.rate.eta;
+    d.renormalize = options_.renormalize;
+    d.nearest = nearest;
+    d.assigned = assigned;
+    d.picked = WorkspaceLayout::at<unsigned char>(ws, w.picked);
+    d.order = WorkspaceLayout::at<Index>(ws, w.order);
+    d.draws = WorkspaceLayout::at<Index>(ws, w.draws);
+    d.opened = opened;
+    Backend::template launch<kernels::DictionaryWriteProgram<Scalar>>(Grid{1, heads, 1}, d,
+                                                                       stream);
+
+    kernels::CounterParams u;
+    u.counters = st.device_counters();
+    u.op = kernels::CounterOp::complete;
+    u.limit = st.chunk();
+    u.opened = opened;
+    Backend::template launch<kernels::CounterProgram>(Grid{}, u, stream);
+  }
+
+  Options options_;
+};
+
+}  // namespace ovq::cuda
