@@ -25,11 +25,21 @@
 
 #include "ovq/ovq.hpp"
 #include "ovq/cuda/device.cuh"
+#include "ovq/cuda/linear_attention.hpp"
+#include "ovq/cuda/ovq_attention.hpp"
 #include "ovq/cuda/self_attention.hpp"
+#include "ovq/cuda/vq_attention.hpp"
 
 namespace ovq::cuda {
 
+// The four mixers on the GPU, for float and double.
 template <class Scalar>
 using SelfAttention = BasicSelfAttention<Scalar, Device>;
+template <class Scalar>
+using LinearAttention = BasicLinearAttention<Scalar, Device>;
+template <class Scalar>
+using VqAttention = BasicVqAttention<Scalar, Device>;
+template <class Scalar>
+using OvqAttention = BasicOvqAttention<Scalar, Device>;
 
 }  // namespace ovq::cuda

@@ -37,10 +37,20 @@ struct BlockIndex {
 
 // ---- host emulation ----
 
+// (Written as host and device code, though it only ever runs on the host: nvcc checks that the
+// host-and-device block programs call nothing host-only, whichever block they are given.)
 template <class T, int kThreads>
-struct EmulatedPerThread {
-  std::vector<T> values = std::vector<T>(kThreads);
-  T& operator[](int t) { return values[static_cast<std::size_t>(t)]; }
+class EmulatedPerThread {
+ public:
+  OVQ_HOST_DEVICE EmulatedPerThread() : values_(new T[kThreads]()) {}
+  OVQ_HOST_DEVICE ~EmulatedPerThread() { delete[] values_; }
+  EmulatedPerThread(const EmulatedPerThread&) = delete;
+  EmulatedPerThread& operator=(const EmulatedPerThread&) = delete;
+
+  OVQ_HOST_DEVICE T& operator[](int t) { return values_[t]; }
+
+ private:
+  T* values_;
 };
 
 template <int kThreads>
@@ -49,11 +59,11 @@ class EmulatedBlock {
   template <class T>
   using PerThread = EmulatedPerThread<T, kThreads>;
 
-  explicit EmulatedBlock(void* shared) : shared_(shared) {}
-  void* shared() const { return shared_; }
+  OVQ_HOST_DEVICE explicit EmulatedBlock(void* shared) : shared_(shared) {}
+  OVQ_HOST_DEVICE void* shared() const { return shared_; }
 
   template <class F>
-  void each(F&& f) {
+  OVQ_HOST_DEVICE void each(F&& f) {
     for (int t = 0; t < kThreads; ++t) f(t);
   }
 

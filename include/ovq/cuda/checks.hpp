@@ -57,6 +57,11 @@ void check_call(const char* where, Index heads, Index dk, Index dv, const ConstH
           dv, ")");
 }
 
+inline void check_query_heads(const char* where, Index query_heads, Index heads) {
+  require(query_heads >= heads && query_heads % heads == 0, where, "query heads = ", query_heads,
+          ", expected a multiple of the ", heads, " key/value heads");
+}
+
 inline void check_widths(const char* where, Index dk, Index dv) {
   require(dk >= 1 && dk <= kernels::kMaxHeadWidth, where, "dk = ", dk, ", expected 1 ... ",
           kernels::kMaxHeadWidth, " (the CUDA kernels' widest head)");

@@ -13,8 +13,15 @@
 
 namespace ovq::cuda {
 
+// A stream of the emulator: only whether it pretends to be capturing a CUDA graph, so that tests
+// run the launches a captured call makes (worst-case sizes, decisions taken on the device) and
+// see the host's counters go stale as after graph replays.
+struct EmulatedStream {
+  bool capturing = false;
+};
+
 struct Emulator {
-  using Stream = void*;
+  using Stream = EmulatedStream*;
   static constexpr const char* kName = "emulator";
 
   // Fresh memory is poisoned (every byte 0xff: NaN in every float and double, -1 in integers),
@@ -39,7 +46,7 @@ struct Emulator {
     if (grid.x > 0 && grid.y > 0 && grid.z > 0) emulate<Program>(grid, params);
   }
   static void synchronize(Stream) {}
-  static bool capturing(Stream) { return false; }
+  static bool capturing(Stream stream) { return stream != nullptr && stream->capturing; }
 };
 
 }  // namespace ovq::cuda

@@ -24,6 +24,7 @@
 #include "ovq/cuda/kernels/launch.hpp"
 #include "ovq/cuda/kernels/read.hpp"
 #include "ovq/cuda/kernels/rows.hpp"
+#include "ovq/cuda/mixer_support.hpp"
 #include "ovq/cuda/schedule.hpp"
 #include "ovq/cuda/state_base.hpp"
 #include "ovq/cuda/views.hpp"
@@ -266,12 +267,29 @@ class BasicOvqAttention {
     run("absorb", state, nullptr, k, v, nullptr, stream);
   }
 
+  // Everything a step of `query_heads` heads needs, allocated now: a step captured in a CUDA
+  // graph cannot allocate.
+  void reserve(State& state, Index query_heads, Stream stream = {}) const {
+    check_state("reserve", state);
+    detail::check_query_heads("reserve", query_heads, state.heads());
+    const WriteWorkspace w = layout(state, step_plan(state, query_heads / state.heads(), 1,
+                                                     state.capacity(), state.chunk()));
+    state.template workspace<unsigned char>(w.layout.bytes(), stream, "reserve");
+  }
+
  private:
+  kernels::ReadPlan step_plan(const State& st, Index group, Index n, Index memory,
+                              Index local) const {
+    return kernels::plan_read(st.heads(), group, n, std::max(st.key_dim(), st.value_dim()),
+                              memory + local, sizeof(Scalar) == 8);
+  }
+
   struct WriteWorkspace {
     detail::WorkspaceLayout layout;
     std::size_t nearest, assigned, picked, order, draws, opened, partials;
   };
-  WriteWorkspace layout(const State& st, std::size_t read_scalars) const {
+  WriteWorkspace layout(const State& st, const kernels::ReadPlan& plan) const {
+    const std::size_t read_scalars = plan.workspace_scalars;
     WriteWorkspace w;
     const auto rows = static_cast<std::size_t>(st.heads() * st.chunk());
     w.nearest = w.layout.template add<Scalar>(rows);
@@ -293,20 +311,16 @@ class BasicOvqAttention {
     const Index n = k.rows;
     if (n == 0) return;
     const bool capturing = Backend::capturing(stream);
-    kernels::CheckFiniteParams<Scalar> check;
-    check.inputs[check.count++] = k;
-    check.inputs[check.count++] = v;
-    if (q != nullptr) check.inputs[check.count++] = *q;
-    check.counters = st.device_counters();
-    Backend::template launch<kernels::CheckFiniteProgram<Scalar>>(
-        Grid{kernels::CheckFiniteProgram<Scalar>::kBlocks, 1, 1}, check, stream);
+    detail::launch_finite_check<Backend>(st.device_counters(), q, k, v, stream);
 
     StateCounters after = st.counters();
     const Index chunk = st.chunk();
     for (Index pos = 0; pos < n;) {
       const Index offset = static_cast<Index>(after.pending);
       const Index len = std::min(chunk - offset, n - pos);
-      push(st, k.middle_rows(pos, len), v.middle_rows(pos, len), stream);
+      detail::launch_push<Backend>(st.device_counters(), k.middle_rows(pos, len),
+                                   v.middle_rows(pos, len), st.pending_keys(),
+                                   st.pending_values(), chunk, stream);
       after.pending += len;
       after.tokens += len;
       // A captured step must work at any position: its read is planned for a full dictionary
@@ -314,11 +328,8 @@ class BasicOvqAttention {
       const Index memory = capturing ? st.capacity() : static_cast<Index>(after.size);
       const Index local = capturing ? chunk : static_cast<Index>(after.pending);
       kernels::ReadPlan plan;
-      if (q != nullptr)
-        plan = kernels::plan_read(st.heads(), q->heads / st.heads(), len,
-                                  std::max(st.key_dim(), st.value_dim()), memory + local,
-                                  sizeof(Scalar) == 8);
-      const WriteWorkspace w = layout(st, plan.workspace_scalars);
+      if (q != nullptr) plan = step_plan(st, q->heads / st.heads(), len, memory, local);
+      const WriteWorkspace w = layout(st, plan);
       void* ws = st.template workspace<unsigned char>(w.layout.bytes(), stream, where);
       if (q != nullptr)
         read(st, q->middle_rows(pos, len), o->middle_rows(pos, len), plan,
@@ -332,39 +343,11 @@ class BasicOvqAttention {
     st.end_call(after, stream);
   }
 
-  void push(State& st, ConstHeadsView<Scalar> k, ConstHeadsView<Scalar> v, Stream stream) const {
-    kernels::CopyRowsParams<Scalar> c;
-    c.src[0] = k;
-    c.src[1] = v;
-    c.dst[0] = st.pending_keys();
-    c.dst[1] = st.pending_values();
-    c.counters = st.device_counters();
-    c.to_pending = true;
-    c.limit = st.chunk();
-    Backend::template launch<kernels::CopyRowsProgram<Scalar>>(
-        Grid{static_cast<int>(k.rows), static_cast<int>(st.heads()), 1}, c, stream);
-    kernels::CounterParams u;
-    u.counters = st.device_counters();
-    u.op = kernels::CounterOp::push;
-    u.n = k.rows;
-    u.limit = st.chunk();
-    Backend::template launch<kernels::CounterProgram>(Grid{}, u, stream);
-  }
-
   void read(State& st, ConstHeadsView<Scalar> q, HeadsView<Scalar> o, const kernels::ReadPlan& plan,
             Scalar* partials, Stream stream) const {
-    kernels::ReadParams<Scalar> p;
-    p.q = {q.data, q.head_stride, q.row_stride};
-    p.o = {o.data, o.head_stride, o.row_stride};
-    p.states = st.heads();
-    p.group = q.heads / st.heads();
-    p.n_queries = q.rows;
-    p.dk = st.key_dim();
-    p.dv = st.value_dim();
-    p.beta = static_cast<Scalar>(options_.beta);
-    p.causal = true;
+    kernels::ReadParams<Scalar> p = detail::read_params(
+        q, o, st.heads(), st.key_dim(), st.value_dim(), options_.beta, st.device_counters());
     p.source = kernels::ReadSource::dictionary;
-    p.counters = st.device_counters();
     p.memory_keys = {st.keys_.data(), st.capacity() * st.key_dim(), st.key_dim()};
     p.memory_values = {st.values_.data(), st.capacity() * st.value_dim(), st.value_dim()};
     p.bias = {st.log_counts_.data(), st.capacity(), 1};
@@ -425,12 +408,8 @@ class BasicOvqAttention {
     Backend::template launch<kernels::DictionaryWriteProgram<Scalar>>(Grid{1, heads, 1}, d,
                                                                        stream);
 
-    kernels::CounterParams u;
-    u.counters = st.device_counters();
-    u.op = kernels::CounterOp::complete;
-    u.limit = st.chunk();
-    u.opened = opened;
-    Backend::template launch<kernels::CounterProgram>(Grid{}, u, stream);
+    detail::launch_counters<Backend>(st.device_counters(), kernels::CounterOp::complete, 0,
+                                     st.chunk(), opened, stream);
   }
 
   Options options_;

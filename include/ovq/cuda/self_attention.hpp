@@ -18,6 +18,7 @@
 #include "ovq/cuda/kernels/launch.hpp"
 #include "ovq/cuda/kernels/read.hpp"
 #include "ovq/cuda/kernels/rows.hpp"
+#include "ovq/cuda/mixer_support.hpp"
 #include "ovq/cuda/state_base.hpp"
 #include "ovq/cuda/views.hpp"
 #include "ovq/mixers/self_attention.hpp"
@@ -72,6 +73,7 @@ class KvCacheState : public StateBase<Backend> {
   // Room for `rows` rows per head (a cache that keeps every row; a window's ring is fixed), and
   // scratch for a decode step over them: what a captured step needs.
   void reserve(Index rows, Stream stream) {
+    this->begin_call(stream);
     if (keep_ < 0 && rows > capacity_) grow(rows, stream);
   }
 
@@ -209,7 +211,26 @@ class BasicSelfAttention {
     run("absorb", state, nullptr, k, v, nullptr, stream);
   }
 
+  // Everything a step of `query_heads` heads needs up to `tokens` tokens in the cache, allocated
+  // now: a step captured in a CUDA graph cannot allocate.
+  void reserve(State& state, Index query_heads, Index tokens, Stream stream = {}) const {
+    check_state("reserve", state);
+    detail::check_query_heads("reserve", query_heads, state.heads());
+    state.reserve(tokens, stream);
+    const kernels::ReadPlan plan = read_plan(state, query_heads / state.heads(), 1, 0, true);
+    state.template workspace<Scalar>(plan.workspace_scalars, stream, "reserve");
+  }
+
  private:
+  // The read of n positions over a cache of `rows` rows; a captured read may be replayed over a
+  // fuller cache, so it is planned for the capacity.
+  kernels::ReadPlan read_plan(const State& st, Index group, Index n, Index rows,
+                              bool capturing) const {
+    const Index memory = capturing ? (st.keep_ >= 0 ? st.keep_ : st.capacity_) : rows;
+    return kernels::plan_read(st.heads(), group, n, std::max(st.key_dim(), st.value_dim()),
+                              memory + n, sizeof(Scalar) == 8);
+  }
+
   Index keep_rows() const { return options_.window > 0 ? options_.window - 1 : State::kKeepAll; }
 
   void run(const char* where, State& st, const ConstHeadsView<Scalar>* q,
@@ -229,20 +250,14 @@ class BasicSelfAttention {
       st.grow(after.size + n, stream);
     }
     // Values first: a bad entry leaves the state as it was.
-    kernels::CheckFiniteParams<Scalar> check;
-    check.inputs[check.count++] = k;
-    check.inputs[check.count++] = v;
-    if (q != nullptr) check.inputs[check.count++] = *q;
-    check.counters = st.device_counters();
-    Backend::template launch<kernels::CheckFiniteProgram<Scalar>>(
-        Grid{kernels::CheckFiniteProgram<Scalar>::kBlocks, 1, 1}, check, stream);
+    detail::launch_finite_check<Backend>(st.device_counters(), q, k, v, stream);
 
     const Index piece = options_.causal ? options_.chunk : n;
     for (Index c0 = 0; c0 < n; c0 += piece) {
       const Index len = std::min(piece, n - c0);
       if (q != nullptr) read(st, q->middle_rows(c0, len), k.middle_rows(c0, len),
-                             v.middle_rows(c0, len), o->middle_rows(c0, len), after, capturing,
-                             where, stream);
+                             v.middle_rows(c0, len), o->middle_rows(c0, len),
+                             static_cast<Index>(after.size), capturing, where, stream);
       append(st, k.middle_rows(c0, len), v.middle_rows(c0, len), stream);
       after.tokens += len;
       after.size = st.keep_ >= 0 ? std::min<std::int64_t>(after.size + len, st.keep_)
@@ -252,31 +267,19 @@ class BasicSelfAttention {
   }
 
   void read(State& st, ConstHeadsView<Scalar> q, ConstHeadsView<Scalar> k,
-            ConstHeadsView<Scalar> v, HeadsView<Scalar> o, const StateCounters& before,
-            bool capturing, const char* where, Stream stream) const {
-    kernels::ReadParams<Scalar> p;
-    p.q = {q.data, q.head_stride, q.row_stride};
-    p.o = {o.data, o.head_stride, o.row_stride};
-    p.states = st.heads();
-    p.group = q.heads / st.heads();
-    p.n_queries = q.rows;
-    p.dk = st.key_dim();
-    p.dv = st.value_dim();
-    p.beta = static_cast<Scalar>(options_.beta);
+            ConstHeadsView<Scalar> v, HeadsView<Scalar> o, Index rows, bool capturing,
+            const char* where, Stream stream) const {
+    kernels::ReadParams<Scalar> p = detail::read_params(
+        q, o, st.heads(), st.key_dim(), st.value_dim(), options_.beta, st.device_counters());
     p.causal = options_.causal;
     p.window = options_.window;
     p.source = kernels::ReadSource::cache;
-    p.counters = st.device_counters();
     p.memory_keys = {st.keys_.data(), st.capacity_ * st.dk_, st.dk_};
     p.memory_values = {st.values_.data(), st.capacity_ * st.dv_, st.dv_};
     p.ring = st.ring();
     p.local_keys = {k.data, k.head_stride, k.row_stride};
     p.local_values = {v.data, v.head_stride, v.row_stride};
-    // A captured read may be replayed over a fuller cache: bound it by the capacity.
-    const Index memory = capturing ? st.capacity_ : static_cast<Index>(before.size);
-    const kernels::ReadPlan plan =
-        kernels::plan_read(p.states, p.group, p.n_queries, std::max(p.dk, p.dv),
-                           memory + p.n_queries, sizeof(Scalar) == 8);
+    const kernels::ReadPlan plan = read_plan(st, p.group, p.n_queries, rows, capturing);
     Scalar* ws = st.template workspace<Scalar>(plan.workspace_scalars, stream, where);
     kernels::launch_read<Backend>(p, plan, ws, stream);
   }
@@ -293,13 +296,8 @@ class BasicSelfAttention {
     if (st.keep_ != 0)
       Backend::template launch<kernels::CopyRowsProgram<Scalar>>(
           Grid{static_cast<int>(k.rows), static_cast<int>(st.heads()), 1}, c, stream);
-    kernels::CounterParams u;
-    u.counters = st.device_counters();
-    u.op = kernels::CounterOp::append;
-    u.n = k.rows;
-    u.keep = st.keep_;
-    u.limit = st.capacity_;
-    Backend::template launch<kernels::CounterProgram>(Grid{}, u, stream);
+    detail::launch_counters<Backend>(st.device_counters(), kernels::CounterOp::append, k.rows,
+                                     st.capacity_, nullptr, stream, st.keep_);
   }
 
   Options options_;

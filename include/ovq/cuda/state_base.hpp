@@ -47,9 +47,10 @@ class StateBase {
   StateBase(StateBase&&) noexcept = default;
   StateBase& operator=(StateBase&&) noexcept = default;
 
-  // Before a call from the host: fresh counters (see the header).
+  // Before a call from the host: fresh counters (see the header). Inside a capture nothing can
+  // be read back: the host's counters are then those of the calls it captured.
   void begin_call(Stream stream) {
-    if (stale_) synchronize(stream);
+    if (stale_ && !Backend::capturing(stream)) synchronize(stream);
   }
   // After a call's launches: the host's counters as the call leaves them.
   void end_call(const StateCounters& after, Stream stream) {

@@ -85,11 +85,13 @@ struct DictionaryWriteProgram {
       m = static_cast<Index>(p.schedule[2 * c.schedule + 1]);
       advance = 1;
     }
-    Scalar* nearest = p.nearest + s * L;
-    Index* assigned = p.assigned + s * L;
-    unsigned char* picked = p.picked + s * L;
-    Index* order = p.order + s * L;
-    Index* draws = p.draws + s * L;
+    // State s's L entries of each array (VQ has no nearest or draws).
+    auto row_of = [&](auto* base) { return base != nullptr ? base + s * L : base; };
+    Scalar* nearest = row_of(p.nearest);
+    Index* assigned = row_of(p.assigned);
+    unsigned char* picked = row_of(p.picked);
+    Index* order = row_of(p.order);
+    Index* draws = row_of(p.draws);
     const DictionaryRows<Scalar> dict{
         {p.dict_keys.data + s * p.dict_keys.head_stride, p.capacity, p.dk, p.dict_keys.row_stride},
         {p.dict_values.data + s * p.dict_values.head_stride, p.capacity, p.dv,

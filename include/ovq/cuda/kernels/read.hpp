@@ -75,6 +75,7 @@ enum class ReadSource : int {
                // rows, query 0 at local position 0
   dictionary,  // memory: dictionary rows [0, size) with bias; local: the pending rows, of which
                // the call's queries are the last n_queries
+  fixed,       // the extent given in the parameters (no counters)
 };
 
 struct ReadExtent {
@@ -99,6 +100,7 @@ struct ReadParams {
   Index window = 0;
   ReadSource source = ReadSource::cache;
   const StateCounters* counters = nullptr;
+  ReadExtent fixed_extent;  // source fixed
   HeadRows<Scalar> memory_keys, memory_values;
   HeadRows<Scalar> bias;  // row_stride 1; data == nullptr: none
   Index ring = 0;         // cache source: ring capacity (rows), 0 if none
@@ -112,7 +114,9 @@ struct ReadParams {
 
   OVQ_HOST_DEVICE ReadExtent extent() const {
     ReadExtent e;
-    if (source == ReadSource::cache) {
+    if (source == ReadSource::fixed) {
+      e = fixed_extent;
+    } else if (source == ReadSource::cache) {
       e.memory_rows = static_cast<Index>(counters->size);
       e.origin = counters->tokens - counters->size;
       e.local_rows = n_queries;

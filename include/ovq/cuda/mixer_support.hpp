@@ -1,0 +1,79 @@
+#pragma once
+// The launches every device mixer makes around its own kernels: the finiteness check of a
+// call's inputs, rows into a pending chunk, counter updates, and the common part of a read's
+// parameters.
+#include <cstdint>
+
+#include "ovq/cuda/block.hpp"
+#include "ovq/cuda/counters.hpp"
+#include "ovq/cuda/kernels/read.hpp"
+#include "ovq/cuda/kernels/rows.hpp"
+#include "ovq/cuda/views.hpp"
+
+namespace ovq::cuda::detail {
+
+// Q (when given), K and V finite, or the state's fault is raised and the call changes nothing.
+template <class Backend, class Scalar>
+void launch_finite_check(StateCounters* counters, const ConstHeadsView<Scalar>* q,
+                         ConstHeadsView<Scalar> k, ConstHeadsView<Scalar> v,
+                         typename Backend::Stream stream) {
+  kernels::CheckFiniteParams<Scalar> check;
+  check.inputs[check.count++] = k;
+  check.inputs[check.count++] = v;
+  if (q != nullptr) check.inputs[check.count++] = *q;
+  check.counters = counters;
+  using P = kernels::CheckFiniteProgram<Scalar>;
+  Backend::template launch<P>(Grid{P::kBlocks, 1, 1}, check, stream);
+}
+
+template <class Backend>
+void launch_counters(StateCounters* counters, kernels::CounterOp op, Index n, Index limit,
+                     const std::int64_t* opened, typename Backend::Stream stream,
+                     Index keep = -1) {
+  kernels::CounterParams u;
+  u.counters = counters;
+  u.op = op;
+  u.n = n;
+  u.keep = keep;
+  u.limit = limit;
+  u.opened = opened;
+  Backend::template launch<kernels::CounterProgram>(Grid{}, u, stream);
+}
+
+// The call's rows k, v (heads x n) after the pending rows of each head (chunk rows each).
+template <class Backend, class Scalar>
+void launch_push(StateCounters* counters, ConstHeadsView<Scalar> k, ConstHeadsView<Scalar> v,
+                 HeadsView<Scalar> pending_keys, HeadsView<Scalar> pending_values, Index chunk,
+                 typename Backend::Stream stream) {
+  kernels::CopyRowsParams<Scalar> c;
+  c.src[0] = k;
+  c.src[1] = v;
+  c.dst[0] = pending_keys;
+  c.dst[1] = pending_values;
+  c.counters = counters;
+  c.to_pending = true;
+  c.limit = chunk;
+  Backend::template launch<kernels::CopyRowsProgram<Scalar>>(
+      Grid{static_cast<int>(k.rows), static_cast<int>(k.heads), 1}, c, stream);
+  launch_counters<Backend>(counters, kernels::CounterOp::push, k.rows, chunk, nullptr, stream);
+}
+
+// A read's queries, outputs and shape: q (heads g, n, dk), o (heads g, n, dv).
+template <class Scalar>
+kernels::ReadParams<Scalar> read_params(ConstHeadsView<Scalar> q, HeadsView<Scalar> o,
+                                        Index heads, Index dk, Index dv, double beta,
+                                        StateCounters* counters) {
+  kernels::ReadParams<Scalar> p;
+  p.q = {q.data, q.head_stride, q.row_stride};
+  p.o = {o.data, o.head_stride, o.row_stride};
+  p.states = heads;
+  p.group = q.heads / heads;
+  p.n_queries = q.rows;
+  p.dk = dk;
+  p.dv = dv;
+  p.beta = static_cast<Scalar>(beta);
+  p.counters = counters;
+  return p;
+}
+
+}  // namespace ovq::cuda::detail

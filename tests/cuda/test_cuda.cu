@@ -1,0 +1,224 @@
+// The CUDA mixers on a GPU: each against its host emulation bit for bit (the emulation is the
+// same block programs run on the host, tests/test_cuda_emulated.cpp checks it against the
+// references), against the double references and the CPU mixers by normalised error, run twice
+// for the same bits, and a decode step captured in a CUDA graph and replayed.
+//
+// Without a GPU the binary prints why and exits with 77, which CTest reports as skipped.
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#define CATCH_CONFIG_RUNNER
+#include "ovq/cuda.cuh"
+#include "ovq/cuda/emulator.hpp"
+#include "support/catch.hpp"
+#include "support/cuda_harness.hpp"
+#include "support/fixtures.hpp"
+
+namespace {
+
+using namespace ovq;
+using cuda::Device;
+using cuda::Emulator;
+using ovq::test::DeviceRows;
+using ovq::test::random_matrix;
+using ovq::test::relative_error;
+
+// Normalised error bound of a float GPU read against the double reference.
+constexpr double kFloatBound = 1e-5;
+
+template <class S>
+bool same_bits(const RowMatrix<S>& a, const RowMatrix<S>& b) {
+  return a.rows() == b.rows() && a.cols() == b.cols() &&
+         std::memcmp(a.data(), b.data(), sizeof(S) * static_cast<std::size_t>(a.size())) == 0;
+}
+
+template <class S>
+struct Inputs {
+  Index heads, group, t, dk, dv;
+  RowMatrix<S> q, k, v;
+};
+
+template <class S>
+Inputs<S> inputs(Index heads, Index group, Index t, Index dk, Index dv, std::uint64_t seed,
+                 bool unit_keys) {
+  Inputs<S> in{heads, group, t, dk, dv, random_matrix<S>(heads * group * t, dk, seed),
+               random_matrix<S>(heads * t, dk, seed + 1), random_matrix<S>(heads * t, dv, seed + 2)};
+  if (unit_keys) {
+    in.k.rowwise().normalize();
+    in.q.rowwise().normalize();
+  }
+  return in;
+}
+
+// One backend's outputs and host states for the stream fed in `pieces`.
+template <class Backend, class Mixer, class S, class MakeState>
+std::pair<RowMatrix<S>, std::vector<typename Mixer::State::HostState>> run_on(
+    const Mixer& mixer, MakeState make_state, const Inputs<S>& in, const std::vector<Index>& pieces,
+    typename Backend::Stream stream) {
+  using Rows = DeviceRows<S, Backend>;
+  const Rows q(in.q, in.heads * in.group, stream), k(in.k, in.heads, stream),
+      v(in.v, in.heads, stream), o(in.heads * in.group, in.t, in.dv, stream);
+  auto state = make_state(mixer, stream);
+  ovq::test::feed_pieces(mixer, state, q, k, v, o, pieces, stream);
+  return {o.download(stream), state.to_host(stream)};
+}
+
+// The GPU run against the emulated run (bit for bit) and against `expected` (normalised error).
+template <template <class, class> class Mixer, class S, class MakeState>
+void check_against_emulation(const typename Mixer<S, Device>::Options& options, MakeState make,
+                             const Inputs<S>& in, const std::vector<Index>& pieces,
+                             const RowMatrix<S>& expected, double bound) {
+  const Mixer<S, Device> gpu(options);
+  const Mixer<S, Emulator> emulated(options);
+  cudaStream_t stream;
+  REQUIRE(cudaStreamCreate(&stream) == cudaSuccess);
+  const auto on_gpu = run_on<Device>(gpu, make, in, pieces, stream);
+  const auto again = run_on<Device>(gpu, make, in, pieces, stream);
+  const auto on_host = run_on<Emulator>(emulated, make, in, pieces, nullptr);
+  cudaStreamDestroy(stream);
+  CHECK(same_bits(on_gpu.first, again.first));
+  CHECK(same_bits(on_gpu.first, on_host.first));
+  for (std::size_t h = 0; h < on_gpu.second.size(); ++h) CHECK(on_gpu.second[h] == on_host.second[h]);
+  CHECK(relative_error(on_gpu.first, expected) < bound);
+}
+
+const std::vector<std::vector<Index>> kCuts = {{}, {100, 1, 1, 1, 300}};
+
+TEMPLATE_TEST_CASE("GPU self-attention == its emulation, the CPU mixer and the reference",
+                   "[gpu][self]", float, double) {
+  using S = TestType;
+  for (const Index window : {Index(0), Index(300)}) {
+    SelfAttentionOptions opt;
+    opt.beta = 0.2;
+    opt.window = window;
+    const Inputs<S> in = inputs<S>(2, 4, 700, 64, 48, 3, false);
+    MultiHead<SelfAttention<S>> cpu(SelfAttention<S>(opt), 1, 8, 2, 64, 48);
+    const RowMatrix<S> expected = cpu.forward(in.q, in.k, in.v);
+    auto make = [](const auto& m, auto stream) { return m.make_state(2, 64, 48, stream); };
+    for (const auto& cut : kCuts)
+      check_against_emulation<cuda::BasicSelfAttention, S>(
+          opt, make, in, cut, expected, std::is_same_v<S, float> ? kFloatBound : 1e-11);
+  }
+}
+
+TEMPLATE_TEST_CASE("GPU OVQ-attention == its emulation and the CPU mixer", "[gpu][ovq]", float,
+                   double) {
+  using S = TestType;
+  OvqOptions opt;
+  opt.capacity = 256;
+  opt.chunk = 64;
+  opt.beta = 4.0;
+  const Inputs<S> in = inputs<S>(2, 2, 900, 64, 64, 5, true);
+  MultiHead<OvqAttention<S, arch::scalar>> cpu(OvqAttention<S, arch::scalar>(opt), 1, 4, 2, 64,
+                                                64);
+  const RowMatrix<S> expected = cpu.forward(in.q, in.k, in.v);
+  auto make = [](const auto& m, auto stream) { return m.make_state(2, 64, 64, stream); };
+  for (const auto& cut : kCuts)
+    check_against_emulation<cuda::BasicOvqAttention, S>(opt, make, in, cut, expected,
+                                                        std::is_same_v<S, float> ? 1e-5 : 1e-11);
+}
+
+TEMPLATE_TEST_CASE("GPU VQ-attention == its emulation and the CPU mixer", "[gpu][vq]", float,
+                   double) {
+  using S = TestType;
+  VqAttentionOptions opt;
+  opt.chunk = 64;
+  const RowMatrix<S> codebook = random_matrix<S>(128, 32, 7);
+  const Inputs<S> in = inputs<S>(2, 2, 600, 32, 40, 9, false);
+  const VqAttention<S, arch::scalar> host(opt);
+  MultiHead<VqAttention<S, arch::scalar>> cpu(
+      host, 1, 4, std::vector<VqState<S>>(2, host.make_state(codebook, 40)));
+  const RowMatrix<S> expected = cpu.forward(in.q, in.k, in.v);
+  auto make = [&](const auto& m, auto stream) { return m.make_state(2, codebook, 40, stream); };
+  for (const auto& cut : kCuts)
+    check_against_emulation<cuda::BasicVqAttention, S>(opt, make, in, cut, expected,
+                                                       std::is_same_v<S, float> ? 1e-5 : 1e-11);
+}
+
+TEMPLATE_TEST_CASE("GPU linear attention == its emulation and the CPU mixer", "[gpu][linear]",
+                   float, double) {
+  using S = TestType;
+  LinearAttentionOptions opt;
+  opt.chunk = 64;
+  opt.feature_map = kernels::FeatureMap::elu1;
+  opt.normalize = true;
+  opt.decay = 0.99;
+  const Inputs<S> in = inputs<S>(2, 2, 500, 64, 64, 11, false);
+  MultiHead<LinearAttention<S>> cpu(LinearAttention<S>(opt), 1, 4, 2, 64, 64);
+  const RowMatrix<S> expected = cpu.forward(in.q, in.k, in.v);
+  auto make = [](const auto& m, auto stream) { return m.make_state(2, 64, 64, stream); };
+  for (const auto& cut : kCuts)
+    check_against_emulation<cuda::BasicLinearAttention, S>(
+        opt, make, in, cut, expected, std::is_same_v<S, float> ? 1e-5 : 1e-11);
+}
+
+TEST_CASE("GPU decode step captured in a CUDA graph and replayed == steps from the host",
+          "[gpu][graph]") {
+  using S = float;
+  const Index heads = 4, group = 4, dk = 128, dv = 128, prompt = 1000, steps = 150;
+  OvqOptions opt;
+  opt.capacity = 512;
+  opt.chunk = 64;
+  opt.beta = 4.0;
+  const Inputs<S> in = inputs<S>(heads, group, prompt + steps, dk, dv, 13, true);
+  const cuda::OvqAttention<S> mixer(opt);
+  cudaStream_t stream;
+  REQUIRE(cudaStreamCreate(&stream) == cudaSuccess);
+  using Rows = DeviceRows<S, Device>;
+  const Rows q(in.q, heads * group, stream), k(in.k, heads, stream), v(in.v, heads, stream);
+  const Rows o_host(heads * group, in.t, dv, stream), o_graph(heads * group, in.t, dv, stream);
+
+  auto host_state = mixer.make_state(heads, dk, dv, stream);
+  ovq::test::feed_pieces(mixer, host_state, q, k, v, o_host, std::vector<Index>{prompt},
+                         stream);
+  for (Index i = prompt; i < in.t; ++i)
+    mixer.step(host_state, q.view().middle_rows(i, 1), k.view().middle_rows(i, 1),
+               v.view().middle_rows(i, 1), o_host.view().middle_rows(i, 1), stream);
+
+  // The graph reads one token from fixed buffers, which the host refills between replays.
+  auto state = mixer.make_state(heads, dk, dv, stream);
+  ovq::test::feed_pieces(mixer, state, q, k, v, o_graph, std::vector<Index>{prompt}, stream);
+  mixer.reserve(state, heads * group, stream);
+  const Rows q1(heads * group, 1, dk, stream), k1(heads, 1, dk, stream), v1(heads, 1, dv, stream),
+      o1(heads * group, 1, dv, stream);
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+  mixer.step(state, q1.view(), k1.view(), v1.view(), o1.view(), stream);
+  REQUIRE(cudaStreamEndCapture(stream, &graph) == cudaSuccess);
+  REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
+  auto copy_rows = [&](cuda::HeadsView<S> to, cuda::HeadsView<S> from) {
+    for (Index h = 0; h < from.heads; ++h)
+      REQUIRE(cudaMemcpyAsync(to.row(h, 0), from.row(h, 0), sizeof(S) * from.cols,
+                              cudaMemcpyDeviceToDevice, stream) == cudaSuccess);
+  };
+  for (Index i = prompt; i < in.t; ++i) {
+    copy_rows(q1.view(), q.view().middle_rows(i, 1));
+    copy_rows(k1.view(), k.view().middle_rows(i, 1));
+    copy_rows(v1.view(), v.view().middle_rows(i, 1));
+    REQUIRE(cudaGraphLaunch(exec, stream) == cudaSuccess);
+    copy_rows(o_graph.view().middle_rows(i, 1), o1.view());
+  }
+  REQUIRE(cudaStreamSynchronize(stream) == cudaSuccess);
+  CHECK(same_bits(o_graph.download(stream), o_host.download(stream)));
+  const auto a = state.to_host(stream), b = host_state.to_host(stream);
+  for (Index h = 0; h < heads; ++h) CHECK(a[h] == b[h]);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+}  // namespace
+
+int main(int argc, char* argv[]) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::printf("SKIP: no CUDA device: the GPU tests did not run\n");
+    return 77;
+  }
+  cudaDeviceProp prop;
+  cudaGetDeviceProperties(&prop, 0);
+  std::printf("GPU: %s (sm_%d%d)\n", prop.name, prop.major, prop.minor);
+  return Catch::Session().run(argc, argv);
+}
