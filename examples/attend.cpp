@@ -36,6 +36,9 @@
 #include "ovq/io/npy.hpp"
 #include "ovq/io/state_file.hpp"
 #include "ovq/ovq.hpp"
+#if defined(OVQ_ATTEND_CUDA)
+#include "attend_cuda.hpp"
+#endif
 
 namespace {
 
@@ -73,6 +76,9 @@ Options for every mixer
   --split a,b,...       feed the sequence as consecutive forward calls of these
                         lengths (integers >= 0 that must add up to T)
   --threads N           run key/value heads on at most N threads (0: OpenMP's default)
+  --device cpu|cuda     where to compute (default cpu). cuda: the library's CUDA mixers
+                        on the first GPU, the same options, states and mathematics (only
+                        in an attend built with CUDA: ovq configured with OVQ_ENABLE_CUDA)
   --load-state F        before the run, restore the state of every key/value head
                         from the state file F (written by --save-state) and continue
                         that stream: the mixer, its options, the dtype, the head counts,
@@ -200,6 +206,7 @@ const OptionSpec kOptions[] = {
     {"--stream", false, kAll},
     {"--split", true, kAll},
     {"--threads", true, kAll},
+    {"--device", true, kAll},
     {"--load-state", true, kAll},
     {"--save-state", true, kAll},
     {"--window", true, kSelf},
@@ -307,6 +314,7 @@ struct Config {
   bool stream = false;
   std::optional<std::vector<std::int64_t>> split;
   std::optional<int> threads;
+  bool cuda = false;
   std::string codebook_path;
   std::optional<std::string> state_out;
   std::optional<std::string> load_state;
@@ -391,6 +399,14 @@ std::optional<Config> parse_command_line(int argc, char** argv) {
       throw UsageError("--threads: " + value("--threads") + " is out of range, expected >= 0");
     }
     cfg.threads = static_cast<int>(n);
+  }
+  if (has("--device")) {
+    cfg.cuda = parse_choice<bool>("--device", value("--device"), {{"cpu", false}, {"cuda", true}});
+#if !defined(OVQ_ATTEND_CUDA)
+    if (cfg.cuda)
+      throw UsageError("--device cuda: this attend was built without CUDA (configure ovq with "
+                       "-DOVQ_ENABLE_CUDA=ON where nvcc is installed)");
+#endif
   }
   if (has("--state-out")) {
     if (value("--state-out").empty()) throw UsageError("--state-out: empty path");
@@ -612,12 +628,14 @@ RowMatrix<typename Mixer::scalar_type> drive(ovq::MultiHead<Mixer>& layer, const
   using Scalar = typename Mixer::scalar_type;
   if (cfg.threads) layer.set_threads(static_cast<int>(std::min<Index>(*cfg.threads, d.hkv)));
   RowMatrix<Scalar> o(d.hq * d.tokens, d.dv);
-  if (!cfg.stream && !cfg.split) {
+  if (!cfg.stream && !cfg.split && !cfg.cuda) {
     layer.forward(q, k, v, o);
     return o;
   }
   std::vector<std::int64_t> lengths;
-  if (cfg.stream) {
+  if (!cfg.stream && !cfg.split) {
+    lengths.assign(1, d.tokens);
+  } else if (cfg.stream) {
     lengths.assign(static_cast<std::size_t>(d.tokens), 1);
   } else {
     lengths = *cfg.split;
@@ -633,6 +651,22 @@ RowMatrix<typename Mixer::scalar_type> drive(ovq::MultiHead<Mixer>& layer, const
                        std::to_string(d.tokens));
     }
   }
+#if defined(OVQ_ATTEND_CUDA)
+  if (cfg.cuda) {
+    attend_cuda::Problem<Scalar> p;
+    p.hq = d.hq;
+    p.hkv = d.hkv;
+    p.tokens = d.tokens;
+    p.dk = d.dk;
+    p.dv = d.dv;
+    p.q = q.data();
+    p.k = k.data();
+    p.v = v.data();
+    p.lengths = lengths;
+    p.steps = cfg.stream;
+    return attend_cuda::run(layer.mixer().options(), layer.states(), p);
+  }
+#endif
   RowMatrix<Scalar> qp, kp, vp, op;
   Index t0 = 0;
   for (std::int64_t len : lengths) {

@@ -491,6 +491,7 @@ bad = [
     ("bad --split list", ["self", *base, "--split", "3,,7"], 2),
     ("negative --split length", ["self", *base, "--split", "12,-2"], 2),
     ("negative --threads", ["self", *base, "--threads", "-1"], 2),
+    ("bad --device", ["self", *base, "--device", "tpu"], 2),
 ]
 for what, args, want in bad:
     out = fresh("bad_out") + ".npy"
@@ -515,6 +516,49 @@ ok(r.returncode == 2 and len(r.stderr.splitlines()) == 1 and r.stderr.startswith
 r = run(["--help"])
 ok(r.returncode == 0 and r.stdout.startswith("usage: attend") and "--state-out" in r.stdout
    and r.stderr == "", "--help: exit %d, stderr %r" % (r.returncode, r.stderr))
+
+# ---- --device cuda: the same computation on a GPU ---------------------------------------------
+# Three cases, each checked: an attend built without CUDA refuses the option (exit 2); one built
+# with CUDA on a machine without a GPU says so (exit 1); with a GPU every mixer's output is
+# compared with the references, as on the CPU, whole and token by token.
+probe_out = fresh("cuda_probe") + ".npy"
+r = run(["self", *base, "--device", "cuda", "--out", probe_out])
+lines = r.stderr.splitlines()
+if r.returncode == 2:
+    ok(len(lines) == 1 and "built without CUDA" in lines[0],
+       "--device cuda in a CPU-only build: stderr %r" % r.stderr)
+elif r.returncode == 1:
+    ok(len(lines) == 1 and lines[0].startswith("attend: --device cuda: no CUDA device"),
+       "--device cuda without a GPU: stderr %r" % r.stderr)
+    ok(not os.path.exists(probe_out), "--device cuda without a GPU: output written")
+else:
+    ok(r.returncode == 0, "--device cuda: exit %d, stderr %r" % (r.returncode, r.stderr))
+    for dtype in (np.float32, np.float64):
+        dn = np.dtype(dtype).name
+        for lname, Q, K, V in layouts(dtype):
+            tag = "cuda %s %s" % (dn, lname)
+            for way in ([], ["--stream"]):
+                what = "self window %s %s" % (tag, way)
+                O = attend("self", Q, K, V, "--beta", 0.5, "--chunk", 8, "--window", 5,
+                           "--device", "cuda", *way, what=what)
+                close(O, per_head(Q, K, V, lambda q, k, v, g: ref_self(q, k, v, 0.5, window=5)),
+                      dtype, what)
+                what = "linear %s %s" % (tag, way)
+                O = attend("linear", Q, K, V, "--beta", 0.3, "--chunk", 6, "--feature-map", "elu1",
+                           "--normalize", "--device", "cuda", *way, what=what)
+                close(O, per_head(Q, K, V, lambda q, k, v, g: ref_linear(q, k, v, 0.3, "elu1", True)),
+                      dtype, what)
+                C = vq_codebook(K, 7, dtype, False)
+                what = "vq %s %s" % (tag, way)
+                O = attend("vq", Q, K, V, "--codebook", save(C), "--beta", 0.7, "--chunk", 6,
+                           "--device", "cuda", *way, what=what)
+                close(O, per_head(Q, K, V, lambda q, k, v, g: ref_vq(q, k, v, 0.7, np.asarray(C, np.float64))),
+                      dtype, what)
+                Ku = unit_rows(K)
+                what = "ovq %s %s" % (tag, way)
+                O = attend("ovq", Q, Ku, V, "--growth", "linear", "--capacity", Q.shape[-2],
+                           "--chunk", 8, "--beta", 2.0, "--device", "cuda", *way, what=what)
+                close(O, per_head(Q, Ku, V, lambda q, k, v, g: ref_self(q, k, v, 2.0)), dtype, what)
 
 # Zero tokens is a valid (empty) sequence.
 for mixer in ("self", "linear", "ovq"):

@@ -18,7 +18,9 @@
 #error "<ovq/cuda.cuh> is the CUDA API: compile with nvcc (the CPU API is <ovq/ovq.hpp>)"
 #endif
 
-// Eigen (the CPU states of to_host/from_host) stays host code in CUDA translation units.
+// Eigen (the CPU states of to_host/from_host) stays host code in CUDA translation units: include
+// <ovq/cuda.cuh> before any Eigen header, or define EIGEN_NO_CUDA yourself (else nvcc warns about
+// Eigen's device annotations).
 #if !defined(EIGEN_NO_CUDA)
 #define EIGEN_NO_CUDA
 #endif

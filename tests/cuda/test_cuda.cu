@@ -153,6 +153,55 @@ TEMPLATE_TEST_CASE("GPU linear attention == its emulation and the CPU mixer", "[
         opt, make, in, cut, expected, std::is_same_v<S, float> ? 1e-5 : 1e-11);
 }
 
+// Small shapes of every mixer, for compute-sanitizer (scripts/gpu-check runs "[sanitize]" under
+// memcheck and racecheck): partial tiles, a window's ring, a trailing partial chunk, steps.
+TEST_CASE("GPU mixers on small shapes == their emulation", "[gpu][sanitize]") {
+  using S = float;
+  const Inputs<S> in = inputs<S>(2, 3, 77, 24, 40, 17, true);
+  const std::vector<Index> cut = {30, 1, 1, 20};
+  {
+    SelfAttentionOptions opt;
+    opt.window = 20;
+    opt.chunk = 16;
+    MultiHead<SelfAttention<S>> cpu(SelfAttention<S>(opt), 1, 6, 2, 24, 40);
+    auto make = [](const auto& m, auto stream) { return m.make_state(2, 24, 40, stream); };
+    check_against_emulation<cuda::BasicSelfAttention, S>(opt, make, in, cut,
+                                                         cpu.forward(in.q, in.k, in.v), 2e-5);
+  }
+  {
+    OvqOptions opt;
+    opt.capacity = 16;
+    opt.chunk = 8;
+    opt.seeding = Seeding::random(3);
+    opt.renormalize = true;
+    MultiHead<OvqAttention<S, arch::scalar>> cpu(OvqAttention<S, arch::scalar>(opt), 1, 6, 2, 24,
+                                                  40);
+    auto make = [](const auto& m, auto stream) { return m.make_state(2, 24, 40, stream); };
+    check_against_emulation<cuda::BasicOvqAttention, S>(opt, make, in, cut,
+                                                        cpu.forward(in.q, in.k, in.v), 2e-5);
+  }
+  {
+    VqAttentionOptions opt;
+    opt.chunk = 8;
+    const RowMatrix<S> codebook = random_matrix<S>(20, 24, 19);
+    const VqAttention<S, arch::scalar> host(opt);
+    MultiHead<VqAttention<S, arch::scalar>> cpu(
+        host, 1, 6, std::vector<VqState<S>>(2, host.make_state(codebook, 40)));
+    auto make = [&](const auto& m, auto stream) { return m.make_state(2, codebook, 40, stream); };
+    check_against_emulation<cuda::BasicVqAttention, S>(opt, make, in, cut,
+                                                       cpu.forward(in.q, in.k, in.v), 2e-5);
+  }
+  {
+    LinearAttentionOptions opt;
+    opt.chunk = 8;
+    opt.feature_map = kernels::FeatureMap::elu1;
+    MultiHead<LinearAttention<S>> cpu(LinearAttention<S>(opt), 1, 6, 2, 24, 40);
+    auto make = [](const auto& m, auto stream) { return m.make_state(2, 24, 40, stream); };
+    check_against_emulation<cuda::BasicLinearAttention, S>(opt, make, in, cut,
+                                                           cpu.forward(in.q, in.k, in.v), 2e-5);
+  }
+}
+
 TEST_CASE("GPU decode step captured in a CUDA graph and replayed == steps from the host",
           "[gpu][graph]") {
   using S = float;

@@ -1,0 +1,302 @@
+// GPU benchmarks of the CUDA mixers against ceilings measured in the same run.
+//
+//   bench_cuda [--quick] [--json FILE]
+//
+// Ceilings: device copy bandwidth (a device-to-device copy of 2 GiB, bytes read and written),
+// the FP32 FMA peak (a kernel of independent FMA chains), cuBLAS SGEMM (8192^3). Cases, timed
+// with CUDA events (median of the repetitions, after one untimed call), each reporting its rate
+// and its fraction of the matching ceiling:
+//   self_prefill_f32     causal self-attention prefill, T = 16384, d = 128, H = 32
+//   self_decode_f32      one decode step, 32 heads over a 128k-token cache (4 GiB of keys and
+//                        values: every step streams them from device memory)
+//   ovq_prefill_f32      OVQ prefill T = 32768, N = 2048, L = 128, d = 128, H = 32, against
+//                        self-attention prefill over the same T
+//   ovq_decode_graph     one OVQ decode step at capacity (N = 2048, d = 128, H = 32) replayed
+//                        from a CUDA graph
+// --quick divides the lengths by 4 (a smoke run). Output: one table on stdout, and JSON lines.
+#include <cublas_v2.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "ovq/cuda.cuh"
+
+namespace {
+
+using namespace ovq;
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "bench_cuda: %s: %s\n", what, cudaGetErrorString(e));
+    std::exit(1);
+  }
+}
+
+// Median time in ms of `reps` calls of f on `stream`, after one untimed call.
+template <class F>
+double time_ms(cudaStream_t stream, int reps, F&& f) {
+  f();
+  check(cudaStreamSynchronize(stream), "warm-up");
+  std::vector<double> times;
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  for (int r = 0; r < reps; ++r) {
+    cudaEventRecord(start, stream);
+    f();
+    cudaEventRecord(stop, stream);
+    check(cudaEventSynchronize(stop), "timed call");
+    float ms = 0;
+    cudaEventElapsedTime(&ms, start, stop);
+    times.push_back(ms);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+__global__ void fma_peak(float* out, int iters) {
+  float a[8];
+  for (int i = 0; i < 8; ++i) a[i] = threadIdx.x * 1e-7f + i;
+  const float b = 1.000001f, c = 1e-7f;
+  for (int it = 0; it < iters; ++it) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) a[i] = fmaf(a[i], b, c);
+  }
+  float s = 0;
+  for (int i = 0; i < 8; ++i) s += a[i];
+  if (s == 12345.0f) out[0] = s;  // keeps the chains alive
+}
+
+struct Row {
+  std::string name, rate, ceiling;
+  double ms, value, fraction;
+};
+
+template <class S>
+cuda::HeadsView<S> heads(S* data, Index h, Index t, Index d) {
+  return cuda::contiguous_heads(data, h, t, d);
+}
+
+template <class S>
+S* device_random(std::size_t n, std::uint64_t seed) {
+  std::vector<S> host(n);
+  std::uint64_t x = seed;
+  for (auto& v : host) v = static_cast<S>(static_cast<double>(ovq::detail::splitmix64(x) >> 11) * 0x1p-53 - 0.5);
+  S* d = nullptr;
+  check(cudaMalloc(&d, n * sizeof(S)), "cudaMalloc");
+  check(cudaMemcpy(d, host.data(), n * sizeof(S), cudaMemcpyHostToDevice), "upload");
+  return d;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool quick = false;
+  std::string json;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--quick") == 0) quick = true;
+    else if (std::strcmp(argv[i], "--json") == 0 && i + 1 < argc) json = argv[++i];
+    else {
+      std::fprintf(stderr, "usage: bench_cuda [--quick] [--json FILE]\n");
+      return 2;
+    }
+  }
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::printf("bench_cuda: no CUDA device\n");
+    return 77;
+  }
+  cudaDeviceProp prop;
+  cudaGetDeviceProperties(&prop, 0);
+  cudaStream_t stream;
+  check(cudaStreamCreate(&stream), "cudaStreamCreate");
+  const Index scale = quick ? 4 : 1;
+  std::vector<Row> rows;
+
+  // ---- ceilings ----
+  const std::size_t copy_bytes = std::size_t(2) << 30;
+  void *a = nullptr, *b = nullptr;
+  check(cudaMalloc(&a, copy_bytes), "cudaMalloc");
+  check(cudaMalloc(&b, copy_bytes), "cudaMalloc");
+  const double copy_ms =
+      time_ms(stream, 10, [&] { cudaMemcpyAsync(b, a, copy_bytes, cudaMemcpyDeviceToDevice, stream); });
+  const double copy_gbs = 2.0 * copy_bytes / copy_ms / 1e6;
+  cudaFree(a);
+  cudaFree(b);
+  rows.push_back({"ceiling: device copy", "GB/s", "-", copy_ms, copy_gbs, 1.0});
+
+  float* sink = nullptr;
+  cudaMalloc(&sink, sizeof(float));
+  const int fma_blocks = prop.multiProcessorCount * 8, fma_threads = 256, fma_iters = 1 << 14;
+  const double fma_ms = time_ms(stream, 5, [&] {
+    fma_peak<<<fma_blocks, fma_threads, 0, stream>>>(sink, fma_iters);
+  });
+  const double fma_tflops = 2.0 * 8 * fma_iters * double(fma_blocks) * fma_threads / fma_ms / 1e9;
+  rows.push_back({"ceiling: FP32 FMA", "TFLOP/s", "-", fma_ms, fma_tflops, 1.0});
+
+  cublasHandle_t blas;
+  cublasCreate(&blas);
+  cublasSetStream(blas, stream);
+  const int n = 8192;
+  float* ga = device_random<float>(std::size_t(n) * n, 1);
+  float* gb = device_random<float>(std::size_t(n) * n, 2);
+  float* gc = device_random<float>(std::size_t(n) * n, 3);
+  const float one = 1, zero = 0;
+  const double gemm_ms = time_ms(stream, 5, [&] {
+    cublasSgemm(blas, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, ga, n, gb, n, &zero, gc, n);
+  });
+  const double gemm_tflops = 2.0 * n * double(n) * n / gemm_ms / 1e9;
+  rows.push_back({"ceiling: cuBLAS SGEMM", "TFLOP/s", "-", gemm_ms, gemm_tflops, 1.0});
+  cudaFree(ga);
+  cudaFree(gb);
+  cudaFree(gc);
+  cublasDestroy(blas);
+
+  const Index h = 32, d = 128;
+  // ---- self-attention prefill ----
+  auto self_prefill = [&](Index t, double* ms_out) {
+    float* q = device_random<float>(std::size_t(h * t * d), 11);
+    float* k = device_random<float>(std::size_t(h * t * d), 12);
+    float* v = device_random<float>(std::size_t(h * t * d), 13);
+    float* o = nullptr;
+    cudaMalloc(&o, sizeof(float) * h * t * d);
+    SelfAttentionOptions opt;
+    opt.beta = 1.0 / std::sqrt(double(d));
+    opt.chunk = t;  // one read over the whole prompt
+    const cuda::SelfAttention<float> mixer(opt);
+    const double ms = time_ms(stream, 3, [&] {
+      auto state = mixer.make_state(h, d, d, stream, t);
+      mixer.forward(state, heads<const float>(q, h, t, d), heads<const float>(k, h, t, d),
+                    heads<const float>(v, h, t, d), heads(o, h, t, d), stream);
+    });
+    cudaFree(q);
+    cudaFree(k);
+    cudaFree(v);
+    cudaFree(o);
+    *ms_out = ms;
+    return 2.0 * h * (double(t) * (t + 1) / 2) * (2 * d) / ms / 1e9;  // TFLOP/s, causal half
+  };
+  double self_ms = 0;
+  const double self_tflops = self_prefill(16384 / scale, &self_ms);
+  rows.push_back({"self_prefill_f32 T=16384 d=128 H=32", "TFLOP/s", "FP32 FMA", self_ms,
+                  self_tflops, self_tflops / fma_tflops});
+
+  // ---- self-attention decode over a long cache ----
+  {
+    const Index ctx = 131072 / scale;
+    SelfAttentionOptions opt;
+    opt.beta = 1.0 / std::sqrt(double(d));
+    const cuda::SelfAttention<float> mixer(opt);
+    auto state = mixer.make_state(h, d, d, stream);
+    mixer.reserve(state, h, ctx + 8, stream);
+    float* k = device_random<float>(std::size_t(h * 4096 * d), 21);
+    float* v = device_random<float>(std::size_t(h * 4096 * d), 22);
+    for (Index filled = 0; filled < ctx; filled += 4096)
+      mixer.absorb(state, heads<const float>(k, h, 4096, d), heads<const float>(v, h, 4096, d), stream);
+    float* q1 = device_random<float>(std::size_t(h * d), 23);
+    float* o1 = nullptr;
+    cudaMalloc(&o1, sizeof(float) * h * d);
+    // Steps read the cache; the cache grows by one row a step (timing 5 of them).
+    const double ms = time_ms(stream, 5, [&] {
+      mixer.step(state, heads<const float>(q1, h, 1, d), heads<const float>(k, h, 1, d),
+                 heads<const float>(v, h, 1, d), heads(o1, h, 1, d), stream);
+    });
+    const double bytes = double(h) * ctx * 2 * d * sizeof(float);
+    const double gbs = bytes / ms / 1e6;
+    rows.push_back({"self_decode_f32 ctx=128k H=32 d=128", "GB/s", "copy", ms, gbs, gbs / copy_gbs});
+    cudaFree(k);
+    cudaFree(v);
+    cudaFree(q1);
+    cudaFree(o1);
+  }
+
+  // ---- OVQ prefill against self-attention at the same T ----
+  {
+    const Index t = 32768 / scale;
+    OvqOptions opt;
+    opt.capacity = 2048;
+    opt.chunk = 128;
+    opt.beta = 8.0;
+    const cuda::OvqAttention<float> mixer(opt);
+    float* q = device_random<float>(std::size_t(h * t * d), 31);
+    float* k = device_random<float>(std::size_t(h * t * d), 32);
+    float* v = device_random<float>(std::size_t(h * t * d), 33);
+    float* o = nullptr;
+    cudaMalloc(&o, sizeof(float) * h * t * d);
+    const double ms = time_ms(stream, 1, [&] {
+      auto state = mixer.make_state(h, d, d, stream);
+      mixer.forward(state, heads<const float>(q, h, t, d), heads<const float>(k, h, t, d),
+                    heads<const float>(v, h, t, d), heads(o, h, t, d), stream);
+    });
+    cudaFree(q);
+    cudaFree(k);
+    cudaFree(v);
+    cudaFree(o);
+    double self_t_ms = 0;
+    self_prefill(t, &self_t_ms);
+    rows.push_back({"ovq_prefill_f32 T=32768 N=2048 L=128 H=32", "x faster than self", "self",
+                    ms, self_t_ms / ms, self_t_ms / ms / 4.0});
+  }
+
+  // ---- OVQ decode step at capacity, replayed from a CUDA graph ----
+  {
+    OvqOptions opt;
+    opt.capacity = 2048;
+    opt.chunk = 128;
+    opt.beta = 8.0;
+    const cuda::OvqAttention<float> mixer(opt);
+    auto state = mixer.make_state(h, d, d, stream);
+    const Index fill = 65536 / scale;
+    float* k = device_random<float>(std::size_t(h * 4096 * d), 41);
+    float* v = device_random<float>(std::size_t(h * 4096 * d), 42);
+    for (Index filled = 0; filled < fill; filled += 4096)
+      mixer.absorb(state, heads<const float>(k, h, 4096, d), heads<const float>(v, h, 4096, d), stream);
+    mixer.reserve(state, h, stream);
+    float* q1 = device_random<float>(std::size_t(h * d), 43);
+    float* o1 = nullptr;
+    cudaMalloc(&o1, sizeof(float) * h * d);
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "capture");
+    mixer.step(state, heads<const float>(q1, h, 1, d), heads<const float>(k, h, 1, d),
+               heads<const float>(v, h, 1, d), heads(o1, h, 1, d), stream);
+    check(cudaStreamEndCapture(stream, &graph), "capture");
+    check(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+    const int replays = 256;  // two chunks' writes among them
+    const double ms = time_ms(stream, 3, [&] {
+      for (int r = 0; r < replays; ++r) cudaGraphLaunch(exec, stream);
+    });
+    const double us = ms * 1000.0 / replays;
+    rows.push_back({"ovq_decode_graph N=2048 H=32 d=128", "us per step", "20 us", ms, us, 20.0 / us});
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaFree(k);
+    cudaFree(v);
+    cudaFree(q1);
+    cudaFree(o1);
+  }
+
+  std::printf("GPU: %s, %d SMs%s\n\n", prop.name, prop.multiProcessorCount, quick ? " (quick)" : "");
+  std::printf("| case | time (ms) | value | unit | of ceiling |\n|---|---|---|---|---|\n");
+  for (const Row& r : rows)
+    std::printf("| %s | %.3f | %.2f | %s | %.2f (%s) |\n", r.name.c_str(), r.ms, r.value,
+                r.rate.c_str(), r.fraction, r.ceiling.c_str());
+  if (!json.empty()) {
+    std::ofstream out(json);
+    for (const Row& r : rows)
+      out << "{\"case\": \"" << r.name << "\", \"ms\": " << r.ms << ", \"value\": " << r.value
+          << ", \"unit\": \"" << r.rate << "\", \"fraction\": " << r.fraction << ", \"ceiling\": \""
+          << r.ceiling << "\"}\n";
+  }
+  cudaFree(sink);
+  cudaStreamDestroy(stream);
+  return 0;
+}
