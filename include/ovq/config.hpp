@@ -2,6 +2,7 @@
 // The only file that reads compiler and ISA macros. Everything else tests OVQ_* macros.
 //
 //   OVQ_ARCH_AVX512 / OVQ_ARCH_AVX2 / OVQ_ARCH_NEON   what the host compiler targets
+//   OVQ_ARCH_F16C                                     half-float conversions (x86)
 //   OVQ_DONT_VECTORIZE                                define to force the portable kernels
 //   OVQ_HOST_DEVICE                                   marks math shared by host and CUDA code
 //   OVQ_DEVICE_PASS                                   nvcc is compiling for the GPU
@@ -24,6 +25,9 @@
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
 #define OVQ_ARCH_AVX2 1
+#endif
+#if defined(__F16C__)
+#define OVQ_ARCH_F16C 1
 #endif
 #if defined(__ARM_NEON)
 #define OVQ_ARCH_NEON 1

@@ -42,10 +42,11 @@ inline void check_rows(const char* where, const char* name, Index rows, Index wa
 
 // A value is finite unless its exponent bits are all ones (inf, NaN). Tested on the bits, so
 // that the answer holds under -ffinite-math-only too.
+template <class Scalar, class = void>
+struct FloatBits;
 template <class Scalar>
-struct FloatBits {
-  static_assert(std::is_floating_point_v<Scalar> && (sizeof(Scalar) == 4 || sizeof(Scalar) == 8),
-                "float or double");
+struct FloatBits<Scalar, std::enable_if_t<std::is_floating_point_v<Scalar>>> {
+  static_assert(sizeof(Scalar) == 4 || sizeof(Scalar) == 8, "float or double");
   using Bits = std::conditional_t<sizeof(Scalar) == 4, std::uint32_t, std::uint64_t>;
   static constexpr Bits kExponent =
       sizeof(Scalar) == 4 ? Bits(0x7f800000u) : Bits(0x7ff0000000000000ull);
@@ -55,18 +56,27 @@ struct FloatBits {
     return (bits & kExponent) == kExponent;
   }
 };
+template <class Scalar>
+struct FloatBits<Scalar, std::enable_if_t<is_half_v<Scalar>>> {
+  using Bits = std::uint16_t;
+  static constexpr Bits kExponent = std::is_same_v<Scalar, bf16> ? Bits(0x7f80) : Bits(0x7c00);
+  static bool not_finite(Scalar x) {
+    Bits bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    return (bits & kExponent) == kExponent;
+  }
+};
 
-// Whether x[0, n) are all finite, without a branch per entry (eight floats at a time on AVX2).
-// Every call checks all of its inputs once; the std::isfinite loop this replaces took 8.7% of
-// the samples of a linear-attention prefill benchmark, this one 6.3% (mostly the first read of
-// the inputs from memory). Reference: all_finite_reference.
+// Whether x[0, n) are all finite, without a branch per entry (eight floats at a time on AVX2):
+// every call checks all of its inputs once, so this is on every call's path.
+// Reference: all_finite_reference.
 template <class Scalar>
 bool all_finite(const Scalar* x, Index n) {
   using F = FloatBits<Scalar>;
   Index j = 0;
   bool any_bad = false;
 #if defined(OVQ_ARCH_AVX2)
-  if constexpr (sizeof(Scalar) == 4) {
+  if constexpr (std::is_same_v<Scalar, float>) {
     const __m256i exponent = _mm256_set1_epi32(static_cast<int>(F::kExponent));
     __m256i bad = _mm256_setzero_si256();
     for (; j + 8 <= n; j += 8) {
@@ -127,8 +137,10 @@ inline void check_chunk(const char* where, Index chunk) {
 
 // A real option (beta, eps) must survive the conversion to the mixer's scalar type: neither
 // overflow to infinity nor round to 0.
-template <class Scalar>
+// (For a 16-bit element the option is applied in float, its compute type.)
+template <class Element>
 void check_scalar_range(const char* where, const char* name, double value) {
+  using Scalar = compute_t<Element>;
   const auto s = static_cast<Scalar>(value);
   if (!std::isfinite(s) || (value > 0.0 && !(s > Scalar(0)))) {
     throw ArgumentError(concat(where, ": ", name, " = ", value, ", expected a value that the ",

@@ -38,9 +38,64 @@ using VectorRef = Eigen::Ref<RowVector<Scalar>>;
 template <class T>
 using AlignedVector = std::vector<T, Eigen::aligned_allocator<T>>;
 
+// ---- element types ----
+//
+// A mixer, its inputs, outputs and states are typed by their storage element: float, double, or
+// a 16-bit type (bf16: bfloat16, 8 exponent bits like float and 8 significant bits; fp16: IEEE
+// half, 5 exponent bits, 11 significant bits). A 16-bit element is computed in float: softmax,
+// accumulation, linear attention's sums, the dictionaries' running means and the counts never
+// round to 16 bits; only what is stored and read back is (keys, values, caches, dictionary rows
+// as the reads see them, outputs).
+using bf16 = Eigen::bfloat16;
+using fp16 = Eigen::half;
+
 template <class Scalar>
 inline constexpr bool is_supported_scalar_v =
     std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>;
+
+template <class Element>
+inline constexpr bool is_half_v = std::is_same_v<Element, bf16> || std::is_same_v<Element, fp16>;
+
+// The storage elements a mixer takes.
+template <class Element>
+inline constexpr bool is_element_v = is_supported_scalar_v<Element> || is_half_v<Element>;
+
+// The 16-bit elements are computed in float (compute_t, core/views.hpp).
+template <>
+struct ComputeOf<bf16> {
+  using type = float;
+};
+template <>
+struct ComputeOf<fp16> {
+  using type = float;
+};
+
+// An element widened to its compute type (exact), and a compute value rounded to an element
+// (to nearest, ties to even).
+template <class Element>
+inline compute_t<Element> widen(Element x) {
+  return static_cast<compute_t<Element>>(x);
+}
+template <class Element>
+inline Element narrow(compute_t<Element> x) {
+  return static_cast<Element>(x);
+}
+
+// The largest finite value of an element type, in its compute type.
+template <class Element>
+inline compute_t<Element> largest_finite() {
+  return static_cast<compute_t<Element>>(Eigen::NumTraits<Element>::highest());
+}
+
+// The name of an element type in messages and files.
+template <class Element>
+constexpr const char* element_name() {
+  if constexpr (std::is_same_v<Element, float>) return "float32";
+  if constexpr (std::is_same_v<Element, double>) return "float64";
+  if constexpr (std::is_same_v<Element, fp16>) return "float16";
+  if constexpr (std::is_same_v<Element, bf16>) return "bfloat16";
+  return "?";
+}
 
 template <class Derived>
 auto rows_view(const Eigen::DenseBase<Derived>& m)

@@ -35,4 +35,13 @@ struct RowsView {
 template <class Scalar>
 using ConstRowsView = RowsView<const Scalar>;
 
+// The type an element is computed in: itself, except for the 16-bit elements, whose
+// specialisations (float) are in core/types.hpp.
+template <class Element>
+struct ComputeOf {
+  using type = Element;
+};
+template <class Element>
+using compute_t = typename ComputeOf<Element>::type;
+
 }  // namespace ovq

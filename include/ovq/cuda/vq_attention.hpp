@@ -111,8 +111,10 @@ class VqDeviceState : public StateBase<Backend> {
       out.emplace_back(ConstRowsView<Scalar>{cb.data() + h * codes_ * dk_, codes_, dk_, dk_}, dv_,
                        chunk_);
       Dictionary<Scalar>& d = out.back().dictionary();
+      const DictionaryRows<Scalar> rows = d.rows();
       for (Index r = 0; r < codes_; ++r) {
-        std::copy_n(v.data() + (h * codes_ + r) * dv_, dv_, d.values().row(r));
+        std::copy_n(v.data() + (h * codes_ + r) * dv_, dv_, rows.mean_values.row(r));
+        d.publish(r);
         d.set_count(r, cnt[static_cast<std::size_t>(h * codes_ + r)]);
       }
       out.back().restore_pending(pc.data() + h * chunk_,

@@ -7,7 +7,8 @@
 //   12      4     byte-order tag 0x01020304, as written by the saving machine
 //   16      4     mixer kind (1 self, 2 linear, 3 vq, 4 ovq)
 //   20      4     container (0 one state, 1 multi-head layer)
-//   24      4     scalar size in bytes (4 float, 8 double)
+//   24      4     element type: its size in bytes in the low byte (4 float32, 8 float64), the
+//                 16-bit ones told apart in the next (258 float16, 514 bfloat16)
 //   28      8     payload size P
 //   36      P     payload: the mixer options, then (multi-head) batch, Hq, Hkv, then each state
 //   36 + P  4     CRC-32 of bytes [0, 36 + P)
@@ -18,14 +19,16 @@
 // finiteness and every state invariant (counts sum to t, n <= N, pending < L, ...), and names
 // the failing check in a FormatError. Saving is atomic (io/file.hpp).
 //
-// Payloads of one state (i64 integers, scalars of the file's type, rows one after the other):
+// Payloads of one state (i64 integers, scalars of the file's type, rows one after the other;
+// for the 16-bit types, what a state keeps in float, its sums and running means, is stored in
+// float32, marked "compute" below):
 //   self    dk, dv, keep_rows, tokens, rows; keys (rows x dk), values (rows x dv)
-//   linear  dk, dv, chunk L, t, pending p; S (dk x dv), z (dk), pending keys (p x dk, before the
-//           feature map), pending values (p x dv)                     t: tokens folded into S, z
-//   vq      codes S, dk, dv, chunk L, pending p; codebook (S x dk), mean values (S x dv), counts
-//           (S), pending codes (p), pending values (p x dv)
-//   ovq     capacity, chunk L, dk, dv, n, t, pending p; D_k (n x dk), D_v (n x dv), counts (n),
-//           pending keys (p x dk), pending values (p x dv)
+//   linear  dk, dv, chunk L, t, pending p; S (dk x dv, compute), z (dk, compute), pending keys
+//           (p x dk, before the feature map), pending values (p x dv)  t: tokens folded into S, z
+//   vq      codes S, dk, dv, chunk L, pending p; codebook (S x dk), mean values (S x dv,
+//           compute), counts (S), pending codes (p), pending values (p x dv)
+//   ovq     capacity, chunk L, dk, dv, n, t, pending p; D_k (n x dk, compute), D_v (n x dv,
+//           compute), counts (n), pending keys (p x dk), pending values (p x dv)
 //
 // Version 1 (before linear and VQ states kept the rows of their current chunk) is still loaded.
 // Its self and ovq payloads are those of version 2. Its linear payload is dk, dv, tokens, S, z
@@ -71,6 +74,21 @@ inline constexpr std::int64_t kMaxTokens = std::int64_t(1) << 62;
 // allocation.
 inline constexpr std::int64_t kMaxWidth = std::int64_t(1) << 16;
 
+// The header's element type field.
+template <class Element>
+constexpr std::uint32_t element_code() {
+  if constexpr (std::is_same_v<Element, fp16>) return 2u | (1u << 8);
+  if constexpr (std::is_same_v<Element, bf16>) return 2u | (2u << 8);
+  return static_cast<std::uint32_t>(sizeof(Element));
+}
+inline std::string element_name_of(std::uint32_t code) {
+  if (code == element_code<float>()) return "float32";
+  if (code == element_code<double>()) return "float64";
+  if (code == element_code<fp16>()) return "float16";
+  if (code == element_code<bf16>()) return "bfloat16";
+  return "no element type";
+}
+
 inline void check_tokens(const char* field, std::int64_t v) {
   if (v < 0 || v > kMaxTokens) {
     throw FormatError(detail::concat("state file: ", field, " = ", v, ", expected a value in [0, ",
@@ -107,7 +125,7 @@ class Writer {
  public:
   template <class T>
   void put(T value) {
-    static_assert(std::is_arithmetic_v<T>, "plain values only");
+    static_assert(std::is_arithmetic_v<T> || is_half_v<T>, "plain values only");
     unsigned char b[sizeof(T)];
     std::memcpy(b, &value, sizeof(T));
     if (!host_is_little_endian()) std::reverse(b, b + sizeof(T));
@@ -159,7 +177,7 @@ class Reader {
     for (Index i = 0; i < rows; ++i) {
       for (Index j = 0; j < cols; ++j) {
         m(i, j) = get<Scalar>(field);
-        if (!std::isfinite(m(i, j))) {
+        if (detail::FloatBits<Scalar>::not_finite(m(i, j))) {
           throw FormatError(detail::concat("state file: ", field, "(", i, ", ", j, ") = ",
                                            m(i, j), ", expected a finite value"));
         }
@@ -356,10 +374,11 @@ LinearState<S> get_state(Reader& r, const LinearAttention<S, A>& mixer, std::uin
     check_tokens("t", t);
     check_tokens("t + pending", t + pending);
   }
-  r.need_items(dk, dv + 1, sizeof(S), "S and z");
+  using C = compute_t<S>;
+  r.need_items(dk, dv + 1, sizeof(C), "S and z");
   check_widths(dk, dv);
-  const RowMatrix<S> kv = r.get_rows<S>(dk, dv, "S");
-  const RowMatrix<S> z = r.get_rows<S>(1, dk, "z");
+  const RowMatrix<C> kv = r.get_rows<C>(dk, dv, "S");
+  const RowMatrix<C> z = r.get_rows<C>(1, dk, "z");
   const RowMatrix<S> pk = r.get_rows<S>(pending, dk, "pending keys");
   const RowMatrix<S> pv = r.get_rows<S>(pending, dv, "pending values");
   LinearState<S> state = mixer.make_state(dk, dv);
@@ -369,10 +388,11 @@ LinearState<S> get_state(Reader& r, const LinearAttention<S, A>& mixer, std::uin
   return state;
 }
 
-template <class S>
-void put_dictionary_rows(Writer& w, const Dictionary<S>& d) {
-  w.put_rows(d.keys());
-  w.put_rows(d.values());
+// keys: VQ's codebook (elements) or OVQ's D_k (running means); then the mean values and counts.
+template <class Keys, class S>
+void put_dictionary_rows(Writer& w, ConstRowsView<Keys> keys, const Dictionary<S>& d) {
+  w.put_rows(keys);
+  w.put_rows(d.mean_values());
   for (Index r = 0; r < d.size(); ++r) w.put<std::int64_t>(d.count(r));
 }
 
@@ -383,7 +403,7 @@ void put_state(Writer& w, const VqAttention<S, A>&, const VqState<S>& s) {
   w.put<std::int64_t>(s.value_dim());
   w.put<std::int64_t>(s.chunk());
   w.put<std::int64_t>(s.pending());
-  put_dictionary_rows(w, s.dictionary());
+  put_dictionary_rows(w, s.dictionary().keys(), s.dictionary());
   for (Index i = 0; i < s.pending(); ++i) w.put<std::int64_t>(s.pending_codes()[i]);
   w.put_rows(s.pending_values());
 }
@@ -405,10 +425,12 @@ VqState<S> get_state(Reader& r, const VqAttention<S, A>& mixer, std::uint32_t ve
     pending = r.get_dim("pending", 0);
     check_chunk(chunk, mixer.options().chunk, pending);
   }
-  r.need_items(codes, dk + dv, sizeof(S), "codebook and mean values");
+  using C = compute_t<S>;
+  r.need_items(codes, dk, sizeof(S), "codebook");
+  r.need_items(codes, dk + dv, sizeof(C), "codebook and mean values");
   check_widths(dk, dv);
   const RowMatrix<S> codebook = r.get_rows<S>(codes, dk, "codebook");
-  const RowMatrix<S> values = r.get_rows<S>(codes, dv, "mean values");
+  const RowMatrix<C> values = r.get_rows<C>(codes, dv, "mean values");
   std::vector<std::int64_t> counts(static_cast<std::size_t>(codes));
   std::int64_t total = 0;
   for (std::int64_t& count : counts) {
@@ -429,8 +451,13 @@ VqState<S> get_state(Reader& r, const VqAttention<S, A>& mixer, std::uint32_t ve
   }
   const RowMatrix<S> pv = r.get_rows<S>(pending, dv, "pending values");
   VqState<S> state = mixer.make_state(codebook, dv);
-  as_eigen(state.dictionary().values()) = values;
-  for (Index c = 0; c < codes; ++c) state.dictionary().set_count(c, counts[static_cast<std::size_t>(c)]);
+  Dictionary<S>& d = state.dictionary();
+  const DictionaryRows<S> rows = d.rows();
+  for (Index c = 0; c < codes; ++c) {
+    std::copy_n(values.row(c).data(), dv, rows.mean_values.row(c));
+    d.publish(c);
+    d.set_count(c, counts[static_cast<std::size_t>(c)]);
+  }
   state.restore_pending(pending_codes.data(), rows_view(pv));
   return state;
 }
@@ -445,7 +472,7 @@ void put_state(Writer& w, const OvqAttention<S, A>&, const OvqState<S>& s) {
   w.put<std::int64_t>(d.size());
   w.put<std::int64_t>(s.absorbed());
   w.put<std::int64_t>(s.pending());
-  put_dictionary_rows(w, d);
+  put_dictionary_rows(w, d.mean_keys(), d);
   w.put_rows(s.pending_keys());
   w.put_rows(s.pending_values());
 }
@@ -471,19 +498,20 @@ OvqState<S> get_state(Reader& r, const OvqAttention<S, A>& mixer, std::uint32_t)
     invalid(detail::concat("t = ", t, ", expected a multiple of the chunk ", chunk, " >= 0"));
   if ((t == 0) != (n == 0))
     invalid(detail::concat("n = ", n, " with t = ", t, ", expected n = 0 exactly when t = 0"));
-  r.need_items(n, dk + dv, sizeof(S), "dictionary");
+  using C = compute_t<S>;
+  r.need_items(n, dk + dv, sizeof(C), "dictionary");
   if (dk > kMaxWidth || dv > kMaxWidth)
     invalid(detail::concat("(dk, dv) = (", dk, ", ", dv, "), expected at most ", kMaxWidth,
                            " each (the loader's bound on head widths)"));
-  const RowMatrix<S> keys = r.get_rows<S>(n, dk, "D_k");
-  const RowMatrix<S> values = r.get_rows<S>(n, dv, "D_v");
+  const RowMatrix<C> keys = r.get_rows<C>(n, dk, "D_k");
+  const RowMatrix<C> values = r.get_rows<C>(n, dv, "D_v");
   OvqState<S> state = mixer.make_state(dk, dv);
   std::int64_t total = 0;
   for (Index i = 0; i < n; ++i) {
     const std::int64_t c = get_count(r);
     if (c > t - total) invalid(detail::concat("counts sum past t = ", t));
     total += c;
-    state.dictionary().push(keys.row(i).data(), values.row(i).data(), c);
+    state.dictionary().push_means(keys.row(i).data(), values.row(i).data(), c);
   }
   if (total != t) invalid(detail::concat("counts sum to ", total, ", expected t = ", t));
   const RowMatrix<S> pk = r.get_rows<S>(pending, dk, "pending keys");
@@ -541,8 +569,10 @@ inline Reader open_frame(const unsigned char* data, std::size_t size, std::uint3
                            " (0 one state, 1 multi-head layer)"));
   const auto got_scalar = h.get<std::uint32_t>("scalar size");
   if (got_scalar != scalar_size)
-    invalid(detail::concat("scalar type of ", got_scalar, " bytes, expected ", scalar_size,
-                           " (4 float, 8 double)"));
+    invalid(detail::concat("scalar type of ", got_scalar & 0xffu, " bytes, expected ",
+                           scalar_size & 0xffu, " bytes (", element_name_of(scalar_size),
+                           "; the file's: ", element_name_of(got_scalar), ", code ", got_scalar,
+                           ")"));
   const auto payload = h.get<std::uint64_t>("payload size");
   if (payload != size - kHeaderSize - 4)
     invalid(detail::concat("payload size ", payload, ", expected ", size - kHeaderSize - 4,
@@ -568,7 +598,7 @@ std::vector<unsigned char> encode_state(const Mixer& mixer, const typename Mixer
   using S = typename Mixer::scalar_type;
   mixer.check_state("encode_state", state);
   Writer w;
-  put_header(w, MixerKind<Mixer>::value, 0, sizeof(S));
+  put_header(w, MixerKind<Mixer>::value, 0, element_code<S>());
   put_options(w, mixer.options());
   put_state(w, mixer, state);
   return finish(w);
@@ -579,7 +609,7 @@ typename Mixer::State decode_state(const Mixer& mixer, const unsigned char* data
   using namespace state_detail;
   using S = typename Mixer::scalar_type;
   std::uint32_t version = 0;
-  Reader r = open_frame(data, size, MixerKind<Mixer>::value, 0, sizeof(S), &version);
+  Reader r = open_frame(data, size, MixerKind<Mixer>::value, 0, element_code<S>(), &version);
   check_options(r, mixer.options());
   typename Mixer::State state = get_state(r, mixer, version);
   expect_end(r);
@@ -604,7 +634,7 @@ std::vector<unsigned char> encode_state(const MultiHead<Mixer>& layer) {
   using namespace state_detail;
   using S = typename Mixer::scalar_type;
   Writer w;
-  put_header(w, MixerKind<Mixer>::value, 1, sizeof(S));
+  put_header(w, MixerKind<Mixer>::value, 1, element_code<S>());
   put_options(w, layer.mixer().options());
   w.put<std::int64_t>(layer.batch());
   w.put<std::int64_t>(layer.query_heads());
@@ -619,7 +649,7 @@ void decode_state(MultiHead<Mixer>& layer, const unsigned char* data, std::size_
   using namespace state_detail;
   using S = typename Mixer::scalar_type;
   std::uint32_t version = 0;
-  Reader r = open_frame(data, size, MixerKind<Mixer>::value, 1, sizeof(S), &version);
+  Reader r = open_frame(data, size, MixerKind<Mixer>::value, 1, element_code<S>(), &version);
   check_options(r, layer.mixer().options());
   const auto batch = r.get<std::int64_t>("batch");
   const auto hq = r.get<std::int64_t>("query heads");

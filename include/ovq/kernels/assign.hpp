@@ -58,10 +58,12 @@ inline void argmax_update(const Scalar* s, const Scalar* offset, Index n, Index 
 
 }  // namespace assign_detail
 
-template <class Scalar, class Arch = arch::native>
-void assign_nearest(ConstRowsView<Scalar> x, ConstRowsView<Scalar> centroids,
-                    const Scalar* offset, Scalar* best, Index* arg) {
-  using Ops = TileOps<Scalar, Arch>;
+// Element: what x and the centroids hold; scores, offsets and bests are in its compute type.
+template <class Element, class Arch = arch::native>
+void assign_nearest(ConstRowsView<Element> x, ConstRowsView<Element> centroids,
+                    const compute_t<Element>* offset, compute_t<Element>* best, Index* arg) {
+  using Scalar = compute_t<Element>;
+  using Ops = TileOps<Element, Arch>;
   using assign_detail::argmax_update;
   constexpr Index kTile = Ops::kKeyTile;
   constexpr Index kRows = 32;  // rows of x per score tile
@@ -72,7 +74,7 @@ void assign_nearest(ConstRowsView<Scalar> x, ConstRowsView<Scalar> centroids,
     arg[i] = -1;
   }
   if (n == 0 || x.rows == 0) return;
-  AlignedVector<Scalar> x_rows(static_cast<std::size_t>(kRows * d));
+  AlignedVector<Element> x_rows(static_cast<std::size_t>(kRows * d));
   AlignedVector<Scalar> scores(static_cast<std::size_t>(kRows * kTile));
   for (Index i0 = 0; i0 < x.rows; i0 += kRows) {
     const Index bq = std::min(kRows, x.rows - i0);
@@ -81,7 +83,7 @@ void assign_nearest(ConstRowsView<Scalar> x, ConstRowsView<Scalar> centroids,
     for (Index r0 = 0; r0 < n; r0 += kTile) {
       const Index br = std::min(kTile, n - r0);
       // Slots past the last centroid repeat centroid r0; their scores are not looked at.
-      const Scalar* rows[kTile];
+      const Element* rows[kTile];
       for (Index j = 0; j < kTile; ++j) rows[j] = centroids.row(r0 + (j < br ? j : 0));
       Ops::scores_rows(x_rows.data(), d, bq, rows, d, Scalar(1), scores.data());
       const Scalar* tile_offset = offset != nullptr ? offset + r0 : nullptr;
@@ -99,9 +101,10 @@ void assign_nearest(ConstRowsView<Scalar> x, ConstRowsView<Scalar> centroids,
 }
 
 // out[j] = x . rows[j] for the n rows of `rows` (x: d entries). Cost: 2 n d flops.
-template <class Scalar, class Arch = arch::native>
-void score_row_against(const Scalar* x, ConstRowsView<Scalar> rows, Scalar* out) {
-  using Ops = TileOps<Scalar, Arch>;
+template <class Element, class Arch = arch::native>
+void score_row_against(const Element* x, ConstRowsView<Element> rows, compute_t<Element>* out) {
+  using Scalar = compute_t<Element>;
+  using Ops = TileOps<Element, Arch>;
   constexpr Index kTile = Ops::kKeyTile;
   const Index n = rows.rows;
   const Index d = rows.cols;
@@ -109,7 +112,7 @@ void score_row_against(const Scalar* x, ConstRowsView<Scalar> rows, Scalar* out)
   for (Index j0 = 0; j0 < n; j0 += kTile) {
     const Index bj = std::min(kTile, n - j0);
     // Slots past the last row repeat row j0; their scores are not kept.
-    const Scalar* keys[kTile];
+    const Element* keys[kTile];
     for (Index j = 0; j < kTile; ++j) keys[j] = rows.row(j0 + (j < bj ? j : 0));
     Ops::scores_rows(x, d, 1, keys, d, Scalar(1), scores);
     std::copy(scores, scores + bj, out + j0);

@@ -17,50 +17,55 @@
 
 namespace ovq::kernels {
 
-template <class Scalar, class Arch>
+// Element: what the mixer's inputs, outputs and states hold (float, double, bf16, fp16); its
+// compute type (Compute) is what it computes in.
+template <class Element, class Arch>
 struct Executor {
   using arch_type = Arch;
+  using Compute = compute_t<Element>;
 
   // The fused read (kernels/read_tiles.hpp) of `heads` stacked query heads.
-  static void read(const ConstRowsView<Scalar>* q, Index heads, const MemoryRows<Scalar>& memory,
-                   const LocalRows<Scalar>& local, const ReadMask& mask, Scalar beta,
-                   const RowsView<Scalar>* o) {
-    kernels::read<Scalar, Arch>(q, heads, memory, local, mask, beta, o);
+  static void read(const ConstRowsView<Element>* q, Index heads,
+                   const MemoryRows<Element>& memory, const LocalRows<Element>& local,
+                   const ReadMask& mask, Compute beta, const RowsView<Element>* o) {
+    kernels::read<Element, Arch>(q, heads, memory, local, mask, beta, o);
   }
 
   // Nearest centroid of each row of x (kernels/assign.hpp).
-  static void assign_nearest(ConstRowsView<Scalar> x, ConstRowsView<Scalar> centroids,
-                             const Scalar* offset, Scalar* best, Index* arg) {
-    kernels::assign_nearest<Scalar, Arch>(x, centroids, offset, best, arg);
+  static void assign_nearest(ConstRowsView<Element> x, ConstRowsView<Element> centroids,
+                             const Compute* offset, Compute* best, Index* arg) {
+    kernels::assign_nearest<Element, Arch>(x, centroids, offset, best, arg);
   }
 
   // One complete chunk into an OVQ dictionary (kernels/ovq_write.hpp).
-  static void ovq_write(Dictionary<Scalar>& dict, std::int64_t absorbed, ConstRowsView<Scalar> k,
-                        ConstRowsView<Scalar> v, const OvqWriteParams& params) {
-    kernels::ovq_write_chunk<Scalar, Arch>(dict, absorbed, k, v, params);
+  static void ovq_write(Dictionary<Element>& dict, std::int64_t absorbed,
+                        ConstRowsView<Element> k, ConstRowsView<Element> v,
+                        const OvqWriteParams& params) {
+    kernels::ovq_write_chunk<Element, Arch>(dict, absorbed, k, v, params);
   }
 
   // One complete chunk into a VQ state's counts and means (kernels/vq_write.hpp).
-  static void vq_write(Dictionary<Scalar>& dict, const Index* codes, ConstRowsView<Scalar> values,
-                       AssignmentGroups& groups) {
-    kernels::vq_write_chunk<Scalar>(dict, codes, values, groups);
+  static void vq_write(Dictionary<Element>& dict, const Index* codes,
+                       ConstRowsView<Element> values, AssignmentGroups& groups) {
+    kernels::vq_write_chunk<Element>(dict, codes, values, groups);
   }
 
-  // Linear attention's chunk keys, read and write (kernels/linear_chunk.hpp).
-  static void pack_linear_keys(ConstRowsView<Scalar> phi_k, AlignedVector<Scalar>& panels) {
-    kernels::pack_linear_keys<Scalar, Arch>(phi_k, panels);
+  // Linear attention's chunk keys, read and write (kernels/linear_chunk.hpp), in the compute
+  // type.
+  static void pack_linear_keys(ConstRowsView<Compute> phi_k, AlignedVector<Compute>& panels) {
+    kernels::pack_linear_keys<Compute, Arch>(phi_k, panels);
   }
-  static void linear_read(const ConstRowsView<Scalar>* q, Index heads, Index first,
-                          FeatureMap map, const Scalar* key_panels, ConstRowsView<Scalar> values,
-                          const RowMatrix<Scalar>& kv, const RowVector<Scalar>& k_sum,
-                          const std::vector<Scalar>& powers, const LinearChunkParams<Scalar>& p,
-                          const RowsView<Scalar>* o) {
-    kernels::linear_chunk_read<Scalar, Arch>(q, heads, first, map, key_panels, values, kv, k_sum,
-                                             powers, p, o);
+  static void linear_read(const ConstRowsView<Element>* q, Index heads, Index first,
+                          FeatureMap map, const Compute* key_panels,
+                          ConstRowsView<Element> values, const RowMatrix<Compute>& kv,
+                          const RowVector<Compute>& k_sum, const std::vector<Compute>& powers,
+                          const LinearChunkParams<Compute>& p, const RowsView<Element>* o) {
+    kernels::linear_chunk_read<Element, Arch>(q, heads, first, map, key_panels, values, kv,
+                                              k_sum, powers, p, o);
   }
-  static void linear_write(const RowMatrix<Scalar>& phi_k, ConstRowsView<Scalar> v,
-                           RowMatrix<Scalar>& kv, RowVector<Scalar>& k_sum,
-                           const std::vector<Scalar>& powers) {
+  static void linear_write(const RowMatrix<Compute>& phi_k, ConstRowsView<Element> v,
+                           RowMatrix<Compute>& kv, RowVector<Compute>& k_sum,
+                           const std::vector<Compute>& powers) {
     kernels::linear_chunk_write(phi_k, v, kv, k_sum, powers);
   }
 };

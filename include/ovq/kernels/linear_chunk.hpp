@@ -57,15 +57,16 @@ Scalar apply_feature_map(FeatureMap map, Scalar x) {
   }
 }
 
-// out[c] = phi(x[c]) for c in [0, n).
-template <class Scalar>
-void feature_map_row(FeatureMap map, const Scalar* x, Index n, Scalar* out) {
-  for (Index c = 0; c < n; ++c) out[c] = apply_feature_map(map, x[c]);
+// out[c] = phi(x[c]) for c in [0, n), in the compute type.
+template <class Element>
+void feature_map_row(FeatureMap map, const Element* x, Index n, compute_t<Element>* out) {
+  for (Index c = 0; c < n; ++c) out[c] = apply_feature_map(map, widen(x[c]));
 }
 
 // out = phi(x), rows of x copied through the feature map. out is resized to x's shape.
-template <class Scalar>
-void feature_map_rows(FeatureMap map, ConstRowsView<Scalar> x, RowMatrix<Scalar>& out) {
+template <class Element>
+void feature_map_rows(FeatureMap map, ConstRowsView<Element> x,
+                      RowMatrix<compute_t<Element>>& out) {
   out.resize(x.rows, x.cols);
   for (Index i = 0; i < x.rows; ++i) feature_map_row(map, x.row(i), x.cols, out.row(i).data());
 }
@@ -108,20 +109,22 @@ struct ReadBuffers {
   }
 };
 
-// rows x cols of `src` (row stride src_stride) into `dst` at width `width` >= cols, zero-padded.
-template <class Scalar>
-const Scalar* padded_copy(const Scalar* src, Index rows, Index cols, Index src_stride,
-                          Index width, AlignedVector<Scalar>& dst) {
-  dst.assign(static_cast<std::size_t>(rows * width), Scalar(0));
+// rows x cols of `src` (row stride src_stride) into `dst` at width `width` >= cols, widened to
+// the compute type, zero-padded.
+template <class Element>
+const compute_t<Element>* padded_copy(const Element* src, Index rows, Index cols,
+                                      Index src_stride, Index width,
+                                      AlignedVector<compute_t<Element>>& dst) {
+  dst.assign(static_cast<std::size_t>(rows * width), compute_t<Element>(0));
   for (Index i = 0; i < rows; ++i)
-    std::copy(src + i * src_stride, src + i * src_stride + cols, dst.data() + i * width);
+    for (Index c = 0; c < cols; ++c) dst[static_cast<std::size_t>(i * width + c)] = widen(src[i * src_stride + c]);
   return dst.data();
 }
 
 }  // namespace linear_detail
 
-// phi(k_j) of a chunk's rows as linear_chunk_read takes them: panels of the architecture's key
-// tile (pack_key_panels). Cost: L dk copies.
+// phi(k_j) of a chunk's rows (in the compute type) as linear_chunk_read takes them: panels of the
+// architecture's key tile (pack_key_panels). Cost: L dk copies.
 template <class Scalar, class Arch>
 void pack_linear_keys(ConstRowsView<Scalar> phi_k, AlignedVector<Scalar>& panels) {
   pack_key_panels<Scalar, TileOps<Scalar, Arch>::kKeyTile>(phi_k, panels);
@@ -134,12 +137,15 @@ void pack_linear_keys(ConstRowsView<Scalar> phi_k, AlignedVector<Scalar>& panels
 //   values      v_j for j in [0, first + n)
 //   kv, k_sum   S (dk x dv) and z (dk) of the chunks before this one
 //   powers      g^i for i in [0, first + n]
-template <class Scalar, class Arch>
-void linear_chunk_read(const ConstRowsView<Scalar>* q, Index heads, Index first, FeatureMap map,
-                       const Scalar* key_panels, ConstRowsView<Scalar> values,
-                       const RowMatrix<Scalar>& kv, const RowVector<Scalar>& k_sum,
-                       const std::vector<Scalar>& powers, const LinearChunkParams<Scalar>& p,
-                       const RowsView<Scalar>* o) {
+// Element: what q, values and o hold; everything else is in its compute type (Scalar).
+template <class Element, class Arch>
+void linear_chunk_read(const ConstRowsView<Element>* q, Index heads, Index first, FeatureMap map,
+                       const compute_t<Element>* key_panels, ConstRowsView<Element> values,
+                       const RowMatrix<compute_t<Element>>& kv,
+                       const RowVector<compute_t<Element>>& k_sum,
+                       const std::vector<compute_t<Element>>& powers,
+                       const LinearChunkParams<compute_t<Element>>& p, const RowsView<Element>* o) {
+  using Scalar = compute_t<Element>;
   using Ops = TileOps<Scalar, Arch>;
   constexpr Index kTile = Ops::kKeyTile;
   if (heads <= 0 || q[0].rows == 0) return;
@@ -151,15 +157,19 @@ void linear_chunk_read(const ConstRowsView<Scalar>* q, Index heads, Index first,
   const Index dvp = (dv + kValuePad - 1) / kValuePad * kValuePad;
   thread_local linear_detail::ReadBuffers<Scalar> buf;
   buf.reserve(kTile, dk, dvp);
-  // V (rows [0, end)) and S at width dvp.
-  const Scalar* vals = values.data;
-  Index vals_stride = values.stride;
+  // V (rows [0, end)) and S at width dvp, in the compute type.
+  const Scalar* vals = nullptr;
+  Index vals_stride = dvp;
   const Scalar* kvp = kv.data();
-  if (dvp != dv) {
+  if constexpr (std::is_same_v<Element, Scalar>) {
+    vals = values.data;
+    vals_stride = values.stride;
+  }
+  if (dvp != dv || !std::is_same_v<Element, Scalar>) {
     vals = linear_detail::padded_copy(values.data, end, dv, values.stride, dvp, buf.values);
     vals_stride = dvp;
-    kvp = linear_detail::padded_copy(kv.data(), dk, dv, dv, dvp, buf.kv);
   }
+  if (dvp != dv) kvp = linear_detail::padded_copy(kv.data(), dk, dv, dv, dvp, buf.kv);
   Scalar* qb = buf.q.data();
   Scalar* w = buf.weights.data();
   Scalar* s = buf.scores.data();
@@ -216,19 +226,19 @@ void linear_chunk_read(const ConstRowsView<Scalar>* q, Index heads, Index first,
 
       // Outputs, written as x + 0 so that a zero is always +0 (see the header).
       for (Index r = 0; r < bq; ++r) {
-        Scalar* out = o[h].row(r0 - first + r);
+        Element* out = o[h].row(r0 - first + r);
         const Scalar* a = acc + r * dvp;
         if (!p.normalize) {
-          for (Index c = 0; c < dv; ++c) out[c] = p.beta * a[c] + Scalar(0);
+          for (Index c = 0; c < dv; ++c) out[c] = narrow<Element>(p.beta * a[c] + Scalar(0));
           continue;
         }
         // A zero normaliser (relu features that are all 0, eps = 0) means nothing was attended
         // to: the output is 0 rather than 0 / 0.
         const Scalar d = den[r] + p.eps;
         if (d == Scalar(0)) {
-          std::fill(out, out + dv, Scalar(0));
+          std::fill(out, out + dv, Element(0));
         } else {
-          for (Index c = 0; c < dv; ++c) out[c] = a[c] / d + Scalar(0);
+          for (Index c = 0; c < dv; ++c) out[c] = narrow<Element>(a[c] / d + Scalar(0));
         }
       }
     }
@@ -237,8 +247,8 @@ void linear_chunk_read(const ConstRowsView<Scalar>* q, Index heads, Index first,
 
 // Folds a chunk of lc = phi_k.rows() rows into (S, z): S = g^lc S + phi(K)^T diag(g^(lc-1-j)) V,
 // z likewise. The mixer calls it on complete chunks only (always L x dk by L x dv).
-template <class Scalar>
-void linear_chunk_write(const RowMatrix<Scalar>& phi_k, ConstRowsView<Scalar> v,
+template <class Scalar, class Element>
+void linear_chunk_write(const RowMatrix<Scalar>& phi_k, ConstRowsView<Element> v,
                         RowMatrix<Scalar>& kv, RowVector<Scalar>& k_sum,
                         const std::vector<Scalar>& powers) {
   const detail::SerialEigenScope serial;
@@ -247,7 +257,7 @@ void linear_chunk_write(const RowMatrix<Scalar>& phi_k, ConstRowsView<Scalar> v,
   Eigen::Matrix<Scalar, Eigen::Dynamic, 1> w(lc);
   for (Index j = 0; j < lc; ++j) w[j] = powers[static_cast<std::size_t>(lc - 1 - j)];
   const Scalar carry = powers[static_cast<std::size_t>(lc)];
-  const RowMatrix<Scalar> wv = w.asDiagonal() * as_eigen(v);
+  const RowMatrix<Scalar> wv = w.asDiagonal() * as_eigen(v).template cast<Scalar>();
   kv *= carry;
   kv.noalias() += phi_k.transpose() * wv;
   k_sum *= carry;

@@ -31,24 +31,40 @@ struct OvqWriteParams {
   bool renormalize = false;
 };
 
-template <class Scalar, class Arch = arch::native>
-void ovq_write_chunk(Dictionary<Scalar>& dict, std::int64_t absorbed, ConstRowsView<Scalar> k,
-                     ConstRowsView<Scalar> v, const OvqWriteParams& params) {
+// A dictionary of 16-bit elements is written in float: its keys are assigned and seeded against
+// the running means (the chunk's keys widened), exactly as a float dictionary of the widened
+// stream; only its read rows are rounded.
+template <class Element, class Arch = arch::native>
+void ovq_write_chunk(Dictionary<Element>& dict, std::int64_t absorbed, ConstRowsView<Element> k,
+                     ConstRowsView<Element> v, const OvqWriteParams& params) {
+  using Scalar = compute_t<Element>;
   const Index chunk = k.rows;
   const Index m = centroids_to_open(params.growth, absorbed, chunk, dict.size(), dict.capacity());
+
+  // The chunk's keys in the compute type (a view of k itself for float and double).
+  RowMatrix<Scalar> widened;
+  ConstRowsView<Scalar> keys;
+  if constexpr (std::is_same_v<Element, Scalar>) {
+    keys = k;
+  } else {
+    widened.resize(chunk, k.cols);
+    for (Index i = 0; i < chunk; ++i)
+      for (Index c = 0; c < k.cols; ++c) widened(i, c) = widen(k.row(i)[c]);
+    keys = rows_view(widened);
+  }
 
   // Assign against the old centroids: s_i / a_i, the similarity to and index of the nearest.
   std::vector<Scalar> nearest(static_cast<std::size_t>(chunk));
   std::vector<Index> assigned(static_cast<std::size_t>(chunk));
-  assign_nearest<Scalar, Arch>(k, dict.keys(), nullptr, nearest.data(), assigned.data());
+  assign_nearest<Scalar, Arch>(keys, dict.mean_keys(), nullptr, nearest.data(), assigned.data());
 
   // Seed: each new centroid is opened, scored against the chunk and folded into (s, a).
-  const DictionaryRows<Scalar> rows = dict.rows();
+  const DictionaryRows<Element> rows = dict.rows();
   Index n = dict.size();
   std::vector<Scalar> scores(static_cast<std::size_t>(chunk));
   auto open = [&](Index row) {
     open_row(rows, n, k.row(row), v.row(row));
-    score_row_against<Scalar, Arch>(k.row(row), k, scores.data());
+    score_row_against<Scalar, Arch>(keys.row(row), keys, scores.data());
     fold_new_centroid(scores.data(), n, nearest.data(), assigned.data(), chunk);
     ++n;
   };
@@ -67,11 +83,12 @@ void ovq_write_chunk(Dictionary<Scalar>& dict, std::int64_t absorbed, ConstRowsV
   // Group and update: rows, then counts (the rows' rates read the counts from before).
   AssignmentGroups groups;
   groups.build(assigned.data(), chunk, n);
-  scatter_mean_update<Scalar>(dict.keys(), dict.counts(), groups, k, params.rate);
-  scatter_mean_update<Scalar>(dict.values(), dict.counts(), groups, v, params.rate);
+  scatter_mean_update<Element>(rows.mean_keys, dict.counts(), groups, k, params.rate);
+  scatter_mean_update<Element>(rows.mean_values, dict.counts(), groups, v, params.rate);
   add_group_counts(rows, groups);
   if (params.renormalize)
-    for (Index r : groups.rows) renormalize_row(rows.keys.row(r), rows.keys.cols);
+    for (Index r : groups.rows) renormalize_row(rows.mean_keys.row(r), rows.keys.cols);
+  publish_groups(rows, groups);
 }
 
 }  // namespace ovq::kernels

@@ -28,20 +28,21 @@
 
 namespace ovq::kernels {
 
-template <class Scalar>
+// Element: what the rows hold (float, double, or a 16-bit type computed in float).
+template <class Element>
 struct MemoryRows {
-  ConstRowsView<Scalar> keys;    // Nm x dk
-  ConstRowsView<Scalar> values;  // Nm x dv
-  const Scalar* bias = nullptr;  // Nm entries, or nullptr for none
+  ConstRowsView<Element> keys;    // Nm x dk
+  ConstRowsView<Element> values;  // Nm x dv
+  const compute_t<Element>* bias = nullptr;  // Nm entries (in the compute type), or nullptr
   // Absolute stream position of row 0 (a key/value cache), or 0 (a dictionary): key tiles are
   // aligned on absolute positions, so the tiling does not move when the stream is cut elsewhere.
   std::int64_t origin = 0;
 };
 
-template <class Scalar>
+template <class Element>
 struct LocalRows {
-  ConstRowsView<Scalar> keys;    // Nl x dk
-  ConstRowsView<Scalar> values;  // Nl x dv
+  ConstRowsView<Element> keys;    // Nl x dk
+  ConstRowsView<Element> values;  // Nl x dv
 };
 
 struct ReadMask {

@@ -41,17 +41,17 @@ inline constexpr Index kStackedRows = 64;
 using kernels::kBlockKeys;
 
 // The key axis of one read (the contract's geometry) with the rows behind its slots.
-template <class Scalar>
+template <class Element>
 struct KeyAxis : KeyAxisGeometry {
-  MemoryRows<Scalar> memory;
-  LocalRows<Scalar> local;  // only the rows some query can see
+  MemoryRows<Element> memory;
+  LocalRows<Element> local;  // only the rows some query can see
   // Set for a grouped-query decode over a long memory (kPrefetchMinRows): such a step reads
   // every memory row once, from L3 or DRAM, and the hardware prefetcher alone lets the stream
   // stall while a tile is computed. Each tile asks for the next tile's memory rows, paced over
   // its own arithmetic (TileStream).
   bool prefetch = false;
 
-  const Scalar* key(Index slot) const {
+  const Element* key(Index slot) const {
     if (slot < pad || slot >= end()) return nullptr;
     return slot < local_begin() ? memory.keys.row(slot - pad) : local.keys.row(slot - local_begin());
   }
@@ -60,9 +60,9 @@ struct KeyAxis : KeyAxisGeometry {
 // The key rows of tile `tile` (slots [tile kTile, tile kTile + kTile)). A slot past either end
 // holds no key: it gets another key of the tile, whose score no query sees (the mask sets it to
 // -inf), so the micro-kernel never branches. A visited tile always holds a key.
-template <class Scalar, Index kTile>
-void tile_keys(const KeyAxis<Scalar>& axis, Index tile, const Scalar* keys[kTile]) {
-  const Scalar* any = nullptr;
+template <class Element, Index kTile>
+void tile_keys(const KeyAxis<Element>& axis, Index tile, const Element* keys[kTile]) {
+  const Element* any = nullptr;
   for (Index j = 0; j < kTile; ++j) {
     keys[j] = axis.key(tile * kTile + j);
     if (any == nullptr) any = keys[j];
@@ -72,11 +72,13 @@ void tile_keys(const KeyAxis<Scalar>& axis, Index tile, const Scalar* keys[kTile
 }
 
 // Per-thread tile state.
-template <class Scalar>
+template <class Element>
 struct TileBuffers {
-  AlignedVector<Scalar> q, scores, acc;
-  std::vector<SoftmaxStats<Scalar>> stats;
-  TileStream<Scalar> stream;
+  using Compute = compute_t<Element>;
+  AlignedVector<Element> q;
+  AlignedVector<Compute> scores, acc;
+  std::vector<SoftmaxStats<Compute>> stats;
+  TileStream<Element> stream;
 
   TileBuffers(Index rows, Index dk, Index dv, Index key_tile)
       : q(static_cast<std::size_t>(rows * dk)),
@@ -85,8 +87,8 @@ struct TileBuffers {
         stats(static_cast<std::size_t>(rows)) {}
 
   void clear_state(Index rows, Index dv) {
-    std::fill(acc.begin(), acc.begin() + rows * dv, Scalar(0));
-    std::fill(stats.begin(), stats.begin() + rows, SoftmaxStats<Scalar>{});
+    std::fill(acc.begin(), acc.begin() + rows * dv, Compute(0));
+    std::fill(stats.begin(), stats.begin() + rows, SoftmaxStats<Compute>{});
   }
 };
 
@@ -102,18 +104,20 @@ struct TileBuffers {
 //
 // Pacing: StreamPacing where axis.prefetch is set (the tile streams the next one), else
 // NoPacing.
-template <class Scalar, class Ops, class Pacing>
-void fold_key_tile(const KeyAxis<Scalar>& axis, Index tile, Index p0, Index heads, Index bq,
-                   Index dk, Index dv, Scalar beta, TileBuffers<Scalar>& buf, Pacing pacing) {
-  constexpr bool kStream = std::is_same_v<Pacing, StreamPacing<Scalar>>;
+template <class Element, class Ops, class Pacing>
+void fold_key_tile(const KeyAxis<Element>& axis, Index tile, Index p0, Index heads, Index bq,
+                   Index dk, Index dv, compute_t<Element> beta, TileBuffers<Element>& buf,
+                   Pacing pacing) {
+  using Compute = compute_t<Element>;
+  constexpr bool kStream = std::is_same_v<Pacing, StreamPacing<Element>>;
   constexpr Index kTile = Ops::kKeyTile;
-  constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
+  constexpr Compute kNegInf = -std::numeric_limits<Compute>::infinity();
   const Index k0 = tile * kTile;
   const Index mem_lo = std::max(k0, axis.memory_begin()) - k0;  // memory slots of the tile
   const Index mem_hi = std::max(std::min(k0 + kTile, axis.local_begin()) - k0, mem_lo);
-  Scalar* s = buf.scores.data();
-  const Scalar* keys[kTile];
-  tile_keys<Scalar, kTile>(axis, tile, keys);
+  Compute* s = buf.scores.data();
+  const Element* keys[kTile];
+  tile_keys<Element, kTile>(axis, tile, keys);
   if constexpr (kStream) {  // the next tile's memory rows, over this tile's score and P V flops
     const Index next_lo = std::max(k0 + kTile, axis.memory_begin()) - axis.pad;
     const Index next_hi =
@@ -123,32 +127,32 @@ void fold_key_tile(const KeyAxis<Scalar>& axis, Index tile, Index p0, Index head
   }
   Ops::scores_rows(buf.q.data(), dk, bq, keys, dk, beta, s, pacing);
   for (Index r = 0; r < bq; ++r) {
-    Scalar* row = s + r * kTile;
+    Compute* row = s + r * kTile;
     const Index p = p0 + r / heads;
     const Index lo = std::clamp<Index>(axis.first(p) - k0, 0, kTile);
     const Index hi = std::clamp<Index>(axis.last(p) - k0 + 1, lo, kTile);  // exclusive
     if (axis.memory.bias != nullptr)
       for (Index j = std::max(lo, mem_lo); j < std::min(hi, mem_hi); ++j)
         row[j] += axis.memory.bias[k0 + j - axis.pad];
-    const Scalar tile_max = Ops::mask_max(row, lo, hi);
-    SoftmaxStats<Scalar>& st = buf.stats[static_cast<std::size_t>(r)];
-    const Scalar m_new = std::max(st.m, tile_max);
+    const Compute tile_max = Ops::mask_max(row, lo, hi);
+    SoftmaxStats<Compute>& st = buf.stats[static_cast<std::size_t>(r)];
+    const Compute m_new = std::max(st.m, tile_max);
     if (m_new == kNegInf) {  // nothing visible so far: this tile adds nothing to row r
-      std::fill(row, row + kTile, Scalar(0));
+      std::fill(row, row + kTile, Compute(0));
       continue;
     }
-    const Scalar sum = Ops::exp_sum(row, m_new);
+    const Compute sum = Ops::exp_sum(row, m_new);
     // New average = old average * (l_old rescaled / l_new) + (P / l_new) V.
-    const Scalar l_kept = st.m == m_new ? st.l : st.l * std::exp(st.m - m_new);
-    const Scalar l_new = l_kept + sum;
-    const Scalar keep = l_kept / l_new;
-    const Scalar inv = Scalar(1) / l_new;
-    if (keep != Scalar(1)) {
+    const Compute l_kept = st.m == m_new ? st.l : st.l * std::exp(st.m - m_new);
+    const Compute l_new = l_kept + sum;
+    const Compute keep = l_kept / l_new;
+    const Compute inv = Compute(1) / l_new;
+    if (keep != Compute(1)) {
       // keep = 0: the old rows vanish next to the new maximum. Assigned, not multiplied, so
       // that an average that rounded past the largest finite value (inf) leaves no 0 * inf.
-      Scalar* acc = buf.acc.data() + r * dv;
-      if (keep == Scalar(0)) {
-        std::fill(acc, acc + dv, Scalar(0));
+      Compute* acc = buf.acc.data() + r * dv;
+      if (keep == Compute(0)) {
+        std::fill(acc, acc + dv, Compute(0));
       } else {
         Ops::scale(acc, dv, keep);
       }
@@ -174,18 +178,19 @@ void fold_key_tile(const KeyAxis<Scalar>& axis, Index tile, Index p0, Index head
 // One read, as the steps of the tile loop: query tile t holds positions
 // [t P, t P + P) (P = positions_per_tile) of every head, stacked; each tile folds its visible
 // key tiles block by block and stores its rows. run() chooses how the tiles are shared out.
-template <class Scalar, class Arch>
+template <class Element, class Arch>
 class TileReader {
  public:
-  using Ops = TileOps<Scalar, Arch>;
+  using Ops = TileOps<Element, Arch>;
   static constexpr Index kTile = Ops::kKeyTile;
   static constexpr Index kTilesPerBlock = kBlockKeys / kTile;
   static_assert(kBlockKeys % kTile == 0, "merge blocks hold whole key tiles");
-  using Buffers = TileBuffers<Scalar>;
+  using Buffers = TileBuffers<Element>;
+  using Compute = compute_t<Element>;
 
-  TileReader(const ConstRowsView<Scalar>* q, Index heads, const MemoryRows<Scalar>& memory,
-             const LocalRows<Scalar>& local, const ReadMask& mask, Scalar beta,
-             const RowsView<Scalar>* o)
+  TileReader(const ConstRowsView<Element>* q, Index heads, const MemoryRows<Element>& memory,
+             const LocalRows<Element>& local, const ReadMask& mask, Compute beta,
+             const RowsView<Element>* o)
       : q_(q), o_(o), heads_(heads), n_pos_(q[0].rows), dk_(q[0].cols), dv_(o[0].cols),
         query_offset_(mask.query_offset), beta_(beta) {
     static_cast<KeyAxisGeometry&>(axis_) =
@@ -199,7 +204,7 @@ class TileReader {
     tile_rows_ = std::min(positions_per_tile_, n_pos_) * heads;
     axis_.prefetch = tile_rows_ >= kPrefetchMinRows && tile_rows_ <= kPrefetchMaxRows &&
                      static_cast<double>(memory.keys.rows) * static_cast<double>(dk_ + dv_) *
-                             sizeof(Scalar) >= kPrefetchMinBytes;
+                             sizeof(Element) >= kPrefetchMinBytes;
   }
 
   void run() const {
@@ -254,16 +259,16 @@ class TileReader {
     const Index p0 = tile_position(tile);
     for (Index t = first; t <= last; ++t) {
       if (axis_.prefetch) {
-        fold_key_tile<Scalar, Ops>(axis_, t, p0, heads_, bq, dk_, dv_, beta_, buf,
-                                   StreamPacing<Scalar>{&buf.stream});
+        fold_key_tile<Element, Ops>(axis_, t, p0, heads_, bq, dk_, dv_, beta_, buf,
+                                   StreamPacing<Element>{&buf.stream});
       } else {
-        fold_key_tile<Scalar, Ops>(axis_, t, p0, heads_, bq, dk_, dv_, beta_, buf, NoPacing{});
+        fold_key_tile<Element, Ops>(axis_, t, p0, heads_, bq, dk_, dv_, beta_, buf, NoPacing{});
       }
     }
   }
 
-  void merge_rows(Index bq, Scalar* acc, SoftmaxStats<Scalar>* stats, const Scalar* acc_b,
-                  const SoftmaxStats<Scalar>* stats_b) const {
+  void merge_rows(Index bq, Compute* acc, SoftmaxStats<Compute>* stats, const Compute* acc_b,
+                  const SoftmaxStats<Compute>* stats_b) const {
     for (Index r = 0; r < bq; ++r)
       merge_softmax(acc + r * dv_, stats[r], acc_b + r * dv_, stats_b[r], dv_);
   }
@@ -291,18 +296,19 @@ class TileReader {
     }
   }
 
-  void store(Index tile, const Scalar* acc_rows) const {
+  void store(Index tile, const Compute* acc_rows) const {
     const Index i0 = tile * positions_per_tile_;
     const Index np = tile_rows(tile) / heads_;
     // The accumulator already is the average (zero when no row was visible). An average of
     // values never exceeds the largest of them; only rounding can push one near the largest
-    // finite scalar past it, so that is clamped back.
-    constexpr Scalar kMaxValue = std::numeric_limits<Scalar>::max();
+    // finite element past it, so that is clamped back (then rounded to the element).
+    const Compute kMaxValue = largest_finite<Element>();
     for (Index i = 0; i < np; ++i) {
       for (Index h = 0; h < heads_; ++h) {
-        const Scalar* acc = acc_rows + (i * heads_ + h) * dv_;
-        Scalar* out = o_[h].row(i0 + i);
-        for (Index c = 0; c < dv_; ++c) out[c] = std::clamp(acc[c], -kMaxValue, kMaxValue);
+        const Compute* acc = acc_rows + (i * heads_ + h) * dv_;
+        Element* out = o_[h].row(i0 + i);
+        for (Index c = 0; c < dv_; ++c)
+          out[c] = narrow<Element>(std::clamp(acc[c], -kMaxValue, kMaxValue));
       }
     }
   }
@@ -336,8 +342,8 @@ class TileReader {
     const SlotRange range = key_tiles(0);
     const Index bq = tile_rows(0);
     const Index b0 = range.first / kTilesPerBlock;
-    AlignedVector<Scalar> block_acc(static_cast<std::size_t>(blocks * bq * dv_));
-    std::vector<SoftmaxStats<Scalar>> block_stats(static_cast<std::size_t>(blocks * bq));
+    AlignedVector<Compute> block_acc(static_cast<std::size_t>(blocks * bq * dv_));
+    std::vector<SoftmaxStats<Compute>> block_stats(static_cast<std::size_t>(blocks * bq));
 #pragma omp parallel
     {
       Buffers buf(tile_rows_, dk_, dv_, kTile);
@@ -358,30 +364,31 @@ class TileReader {
   }
 #endif
 
-  const ConstRowsView<Scalar>* q_;
-  const RowsView<Scalar>* o_;
+  const ConstRowsView<Element>* q_;
+  const RowsView<Element>* o_;
   Index heads_, n_pos_, dk_, dv_, query_offset_;
-  Scalar beta_;
-  KeyAxis<Scalar> axis_;
+  Compute beta_;
+  KeyAxis<Element> axis_;
   Index positions_per_tile_ = 1, n_tiles_ = 0, tile_rows_ = 0;
 };
 
 }  // namespace read_detail
 
 // The read of the contract on the CPU. q and o hold `heads` views each.
-template <class Scalar, class Arch = arch::native>
-void read(const ConstRowsView<Scalar>* q, Index heads, const MemoryRows<Scalar>& memory,
-          const LocalRows<Scalar>& local, const ReadMask& mask, Scalar beta,
-          const RowsView<Scalar>* o) {
+template <class Element, class Arch = arch::native>
+void read(const ConstRowsView<Element>* q, Index heads, const MemoryRows<Element>& memory,
+          const LocalRows<Element>& local, const ReadMask& mask, compute_t<Element> beta,
+          const RowsView<Element>* o) {
   if (heads <= 0 || q[0].rows == 0) return;
-  read_detail::TileReader<Scalar, Arch>(q, heads, memory, local, mask, beta, o).run();
+  read_detail::TileReader<Element, Arch>(q, heads, memory, local, mask, beta, o).run();
 }
 
 // One query head.
-template <class Scalar, class Arch = arch::native>
-void read(ConstRowsView<Scalar> q, const MemoryRows<Scalar>& memory, const LocalRows<Scalar>& local,
-          const ReadMask& mask, Scalar beta, RowsView<Scalar> o) {
-  read<Scalar, Arch>(&q, 1, memory, local, mask, beta, &o);
+template <class Element, class Arch = arch::native>
+void read(ConstRowsView<Element> q, const MemoryRows<Element>& memory,
+          const LocalRows<Element>& local, const ReadMask& mask, compute_t<Element> beta,
+          RowsView<Element> o) {
+  read<Element, Arch>(&q, 1, memory, local, mask, beta, &o);
 }
 
 }  // namespace ovq::kernels

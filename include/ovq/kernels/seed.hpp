@@ -68,14 +68,18 @@ inline std::vector<Index> random_seed_rows(std::uint64_t seed, std::int64_t chun
   return rows;
 }
 
-// Centroid r := (key, value) with count 0.
-template <class Scalar>
-OVQ_HOST_DEVICE void open_row(const DictionaryRows<Scalar>& d, Index r, const Scalar* key,
-                              const Scalar* value) {
-  Scalar* k = d.keys.row(r);
-  Scalar* v = d.values.row(r);
+// Centroid r := (key, value) with count 0 (its running means: the same, widened).
+template <class Element>
+OVQ_HOST_DEVICE void open_row(const DictionaryRows<Element>& d, Index r, const Element* key,
+                              const Element* value) {
+  Element* k = d.keys.row(r);
+  Element* v = d.values.row(r);
   for (Index c = 0; c < d.keys.cols; ++c) k[c] = key[c];
   for (Index c = 0; c < d.values.cols; ++c) v[c] = value[c];
+  if constexpr (DictionaryRows<Element>::kSeparateMeans) {
+    for (Index c = 0; c < d.keys.cols; ++c) d.mean_keys.row(r)[c] = widen(key[c]);
+    for (Index c = 0; c < d.values.cols; ++c) d.mean_values.row(r)[c] = widen(value[c]);
+  }
   set_count(d, r, 0);
 }
 

@@ -58,10 +58,12 @@ struct AssignmentGroups {
 template <class Scalar>
 using WideAccumulator = std::conditional_t<std::is_same_v<Scalar, float>, double, long double>;
 
-template <class Scalar>
-void scatter_mean_update(RowsView<Scalar> dict, const std::int64_t* counts_before,
-                         const AssignmentGroups& groups, ConstRowsView<Scalar> x,
+// dict: the running means (compute type) of the rows x (elements) update.
+template <class Element>
+void scatter_mean_update(RowsView<compute_t<Element>> dict, const std::int64_t* counts_before,
+                         const AssignmentGroups& groups, ConstRowsView<Element> x,
                          const UpdateRate& rate) {
+  using Scalar = compute_t<Element>;
   using Wide = WideAccumulator<Scalar>;
   const Index d = dict.cols;
   std::vector<Wide> sum(static_cast<std::size_t>(d));
@@ -71,8 +73,8 @@ void scatter_mean_update(RowsView<Scalar> dict, const std::int64_t* counts_befor
     std::fill(sum.begin(), sum.end(), Wide(0));
     for (Index m = groups.begin[static_cast<std::size_t>(g)];
          m < groups.begin[static_cast<std::size_t>(g) + 1]; ++m) {
-      const Scalar* row = x.row(groups.order[static_cast<std::size_t>(m)]);
-      for (Index c = 0; c < d; ++c) sum[static_cast<std::size_t>(c)] += row[c];
+      const Element* row = x.row(groups.order[static_cast<std::size_t>(m)]);
+      for (Index c = 0; c < d; ++c) sum[static_cast<std::size_t>(c)] += widen(row[c]);
     }
     Scalar* target = dict.row(r);
     if (rate.kind == UpdateRate::Kind::adaptive) {
@@ -99,6 +101,22 @@ void add_group_counts(const DictionaryRows<Scalar>& d, const AssignmentGroups& g
   for (Index g = 0; g < groups.size(); ++g) {
     const Index r = groups.rows[static_cast<std::size_t>(g)];
     set_count(d, r, d.counts[r] + groups.members(g));
+  }
+}
+
+// The touched rows as the reads see them: their means rounded (16-bit elements; the means are the
+// rows otherwise).
+template <class Element>
+void publish_groups(const DictionaryRows<Element>& d, const AssignmentGroups& groups) {
+  if constexpr (DictionaryRows<Element>::kSeparateMeans) {
+    for (Index r : groups.rows) {
+      for (Index c = 0; c < d.keys.cols; ++c) d.keys.row(r)[c] = narrow<Element>(d.mean_keys.row(r)[c]);
+      for (Index c = 0; c < d.values.cols; ++c)
+        d.values.row(r)[c] = narrow<Element>(d.mean_values.row(r)[c]);
+    }
+  } else {
+    (void)d;
+    (void)groups;
   }
 }
 

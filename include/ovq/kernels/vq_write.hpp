@@ -9,13 +9,15 @@
 namespace ovq::kernels {
 
 // `groups` is scratch (kept by the caller to reuse its storage).
-template <class Scalar>
-void vq_write_chunk(Dictionary<Scalar>& dict, const Index* codes, ConstRowsView<Scalar> values,
+template <class Element>
+void vq_write_chunk(Dictionary<Element>& dict, const Index* codes, ConstRowsView<Element> values,
                     AssignmentGroups& groups) {
+  const DictionaryRows<Element> rows = dict.rows();
   groups.build(codes, values.rows, dict.size());
-  scatter_mean_update<Scalar>(dict.values(), dict.counts(), groups, values,
-                              UpdateRate::adaptive());
-  add_group_counts(dict.rows(), groups);
+  scatter_mean_update<Element>(rows.mean_values, dict.counts(), groups, values,
+                               UpdateRate::adaptive());
+  add_group_counts(rows, groups);
+  publish_groups(rows, groups);
 }
 
 }  // namespace ovq::kernels

@@ -13,7 +13,7 @@ template <class Scalar, class Arch>
 void read_dictionary_and_chunk(const Dictionary<Scalar>& dict, ConstRowsView<Scalar> chunk_keys,
                                ConstRowsView<Scalar> chunk_values, Index offset,
                                const ConstRowsView<Scalar>* q, Index heads, Index pos, Index len,
-                               Scalar beta, const RowsView<Scalar>* o) {
+                               compute_t<Scalar> beta, const RowsView<Scalar>* o) {
   const kernels::MemoryRows<Scalar> memory{dict.keys(), dict.values(), dict.log_counts()};
   const kernels::LocalRows<Scalar> local{chunk_keys, chunk_values};
   const kernels::ReadMask mask{true, offset, 0};

@@ -48,13 +48,14 @@ class LinearAttention
   using arch_type = Arch;
   using State = LinearState<Scalar>;
   using Options = LinearAttentionOptions;
+  using Compute = compute_t<Scalar>;
 
   explicit LinearAttention(const Options& options = {}) : options_(options) {
     options_.validate();
     detail::check_scalar_range<Scalar>("LinearAttention", "beta", options_.beta);
     if (options_.normalize)  // eps must not round to 0 where it was meant to guard a division
       detail::check_scalar_range<Scalar>("LinearAttention", "eps", options_.eps);
-    powers_ = kernels::decay_powers(static_cast<Scalar>(options_.decay), options_.chunk);
+    powers_ = kernels::decay_powers(static_cast<Compute>(options_.decay), options_.chunk);
   }
 
   const Options& options() const { return options_; }
@@ -71,14 +72,14 @@ class LinearAttention
   // the recurrence (MATH.md section 2). The state keeps the pending rows apart; this folds them
   // into a copy.
   struct Sums {
-    RowMatrix<Scalar> kv;   // S, dk x dv
-    RowVector<Scalar> k_sum;  // z, dk
+    RowMatrix<Compute> kv;     // S, dk x dv
+    RowVector<Compute> k_sum;  // z, dk
   };
   Sums sums(const State& state) const {
     check_state("sums", state);
     Sums out{state.kv(), state.k_sum()};
     if (state.pending() > 0) {
-      RowMatrix<Scalar> phi_k;
+      RowMatrix<Compute> phi_k;
       kernels::feature_map_rows(options_.feature_map, state.pending_keys(), phi_k);
       kernels::Executor<Scalar, Arch>::linear_write(phi_k, state.pending_values(), out.kv, out.k_sum,
                                                     powers_);
@@ -90,13 +91,13 @@ class LinearAttention
                          ConstRowsView<Scalar> k, ConstRowsView<Scalar> v,
                          const RowsView<Scalar>* o) const {
     using Exec = kernels::Executor<Scalar, Arch>;
-    const kernels::LinearChunkParams<Scalar> params{
-        static_cast<Scalar>(options_.beta), static_cast<Scalar>(options_.decay),
-        options_.normalize, static_cast<Scalar>(options_.eps)};
+    const kernels::LinearChunkParams<Compute> params{
+        static_cast<Compute>(options_.beta), static_cast<Compute>(options_.decay),
+        options_.normalize, static_cast<Compute>(options_.eps)};
     const Index chunk = options_.chunk;
     const Index dk = state.key_dim();
-    thread_local AlignedVector<Scalar> panels;
-    RowMatrix<Scalar> phi_k;
+    thread_local AlignedVector<Compute> panels;
+    RowMatrix<Compute> phi_k;
     for (Index pos = 0; pos < k.rows;) {
       const Index offset = state.pending();
       const Index len = std::min(chunk - offset, k.rows - pos);
@@ -121,7 +122,7 @@ class LinearAttention
 
  private:
   Options options_;
-  std::vector<Scalar> powers_;  // g^i for i in [0, L]
+  std::vector<Compute> powers_;  // g^i for i in [0, L]
 };
 
 }  // namespace ovq

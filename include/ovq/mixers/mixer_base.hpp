@@ -35,7 +35,7 @@ std::vector<View> slice_heads(const View* views, Index heads, Index first, Index
 
 template <class Derived, class Scalar, class StateT>
 class MixerBase {
-  static_assert(is_supported_scalar_v<Scalar>, "ovq mixers run in float or double");
+  static_assert(is_element_v<Scalar>, "ovq mixers run on float, double, bf16 or fp16 elements");
 
  public:
   using scalar_type = Scalar;

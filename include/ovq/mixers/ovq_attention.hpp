@@ -65,7 +65,7 @@ class OvqAttention : public MixerBase<OvqAttention<Scalar, Arch>, Scalar, OvqSta
   void forward_unchecked(State& state, const ConstRowsView<Scalar>* q, Index heads,
                          ConstRowsView<Scalar> k, ConstRowsView<Scalar> v,
                          const RowsView<Scalar>* o) const {
-    const Scalar beta = static_cast<Scalar>(options_.beta);
+    const compute_t<Scalar> beta = static_cast<compute_t<Scalar>>(options_.beta);
     const kernels::OvqWriteParams write{options_.growth, options_.seeding, options_.rate,
                                         options_.renormalize};
     const Index chunk = options_.chunk;

@@ -62,7 +62,7 @@ class SelfAttention : public MixerBase<SelfAttention<Scalar, Arch>, Scalar, KvCa
   void forward_unchecked(State& state, const ConstRowsView<Scalar>* q, Index heads,
                          ConstRowsView<Scalar> k, ConstRowsView<Scalar> v,
                          const RowsView<Scalar>* o) const {
-    const Scalar beta = static_cast<Scalar>(options_.beta);
+    const compute_t<Scalar> beta = static_cast<compute_t<Scalar>>(options_.beta);
     // Non-causal queries see every key of the call, so the call is read as one piece.
     const Index piece = options_.causal ? options_.chunk : std::max<Index>(k.rows, 1);
     for (Index c0 = 0; c0 < k.rows; c0 += piece) {

@@ -62,10 +62,10 @@ class VqAttention : public MixerBase<VqAttention<Scalar, Arch>, Scalar, VqState<
                          ConstRowsView<Scalar> k, ConstRowsView<Scalar> v,
                          const RowsView<Scalar>* o) const {
     using Exec = kernels::Executor<Scalar, Arch>;
-    const Scalar beta = static_cast<Scalar>(options_.beta);
+    const compute_t<Scalar> beta = static_cast<compute_t<Scalar>>(options_.beta);
     const Index chunk = options_.chunk;
     const Index most = std::min(chunk, k.rows);
-    std::vector<Scalar> best(static_cast<std::size_t>(most));
+    std::vector<compute_t<Scalar>> best(static_cast<std::size_t>(most));
     std::vector<Index> code(static_cast<std::size_t>(most));
     kernels::AssignmentGroups groups;
     for (Index pos = 0; pos < k.rows;) {

@@ -4,8 +4,10 @@
 //
 // Rows [0, n) of D_k (capacity x dk) and D_v (capacity x dv) are active, each with a 64-bit count
 // (streams of billions of tokens must not lose a token) and its log, the read bias
-// (-inf for a count of 0, so that such a row contributes nothing).
-// Memory: capacity (dk + dv + 1) scalars + capacity counts, fixed at construction.
+// (-inf for a count of 0, so that such a row contributes nothing). A dictionary of 16-bit
+// elements also keeps the rows' running means in float (state/dictionary_rows.hpp).
+// Memory: capacity (dk + dv) elements (+ capacity (dk + dv) floats for 16-bit elements) +
+// capacity log counts and counts, fixed at construction.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -18,12 +20,15 @@
 
 namespace ovq {
 
-template <class Scalar>
+template <class Element>
 class Dictionary {
-  static_assert(is_supported_scalar_v<Scalar>, "ovq states hold float or double");
+  static_assert(is_element_v<Element>, "ovq states hold float, double, bf16 or fp16");
 
  public:
-  using scalar_type = Scalar;
+  using scalar_type = Element;
+  using Compute = compute_t<Element>;
+  // Whether the running means are rows of their own (16-bit elements: state/dictionary_rows.hpp).
+  static constexpr bool kSeparateMeans = DictionaryRows<Element>::kSeparateMeans;
 
   Dictionary() = default;
   Dictionary(Index capacity, Index dk, Index dv)
@@ -34,6 +39,10 @@ class Dictionary {
         log_counts_(static_cast<std::size_t>(capacity), kNegInf) {
     keys_.setZero();
     values_.setZero();
+    if constexpr (kSeparateMeans) {
+      mean_keys_ = RowMatrix<Compute>::Zero(capacity, dk);
+      mean_values_ = RowMatrix<Compute>::Zero(capacity, dv);
+    }
   }
 
   Index capacity() const { return keys_.rows(); }
@@ -42,17 +51,23 @@ class Dictionary {
   Index key_dim() const { return keys_.cols(); }
   Index value_dim() const { return values_.cols(); }
 
-  ConstRowsView<Scalar> keys() const { return {keys_.data(), size_, key_dim(), key_dim()}; }
-  ConstRowsView<Scalar> values() const {
+  // The active rows as the reads see them.
+  ConstRowsView<Element> keys() const { return {keys_.data(), size_, key_dim(), key_dim()}; }
+  ConstRowsView<Element> values() const {
     return {values_.data(), size_, value_dim(), value_dim()};
   }
-  RowsView<Scalar> keys() { return {keys_.data(), size_, key_dim(), key_dim()}; }
-  RowsView<Scalar> values() { return {values_.data(), size_, value_dim(), value_dim()}; }
+  // The active rows' running means (the same rows as keys() and values() for float and double).
+  ConstRowsView<Compute> mean_keys() const {
+    return {mean_keys_data(), size_, key_dim(), key_dim()};
+  }
+  ConstRowsView<Compute> mean_values() const {
+    return {mean_values_data(), size_, value_dim(), value_dim()};
+  }
 
   const std::int64_t* counts() const { return counts_.data(); }
   std::int64_t count(Index r) const { return counts_[static_cast<std::size_t>(r)]; }
   // log(count) per active row, -inf where the count is 0: the read bias.
-  const Scalar* log_counts() const { return log_counts_.data(); }
+  const Compute* log_counts() const { return log_counts_.data(); }
 
   std::int64_t total_count() const {
     std::int64_t total = 0;
@@ -64,9 +79,11 @@ class Dictionary {
 
   // Every row, active or not, as plain views: what the write phases work on. Rows they open
   // become active through set_size().
-  DictionaryRows<Scalar> rows() {
+  DictionaryRows<Element> rows() {
     return {{keys_.data(), capacity(), key_dim(), key_dim()},
             {values_.data(), capacity(), value_dim(), value_dim()},
+            {mean_keys_data(), capacity(), key_dim(), key_dim()},
+            {mean_values_data(), capacity(), value_dim(), value_dim()},
             counts_.data(),
             log_counts_.data()};
   }
@@ -77,15 +94,29 @@ class Dictionary {
     size_ = n;
   }
 
-  // Opens row n with the given key and value and a count of `count`.
-  void push(const Scalar* k, const Scalar* v, std::int64_t count = 0) {
-    detail::require(size_ < capacity(), "Dictionary::push", "dictionary is full (capacity ",
-                    capacity(), "), expected a free row");
-    detail::require(count >= 0, "Dictionary::push", "count = ", count, ", expected >= 0");
-    const Index r = size_++;
+  // Opens row n with the given key and value (its mean: the same, widened) and a count.
+  void push(const Element* k, const Element* v, std::int64_t count = 0) {
+    const Index r = open(count);
     std::copy(k, k + key_dim(), keys_.row(r).data());
     std::copy(v, v + value_dim(), values_.row(r).data());
-    set_count(r, count);
+    if constexpr (kSeparateMeans) {
+      for (Index c = 0; c < key_dim(); ++c) mean_keys_(r, c) = widen(k[c]);
+      for (Index c = 0; c < value_dim(); ++c) mean_values_(r, c) = widen(v[c]);
+    }
+  }
+  // Opens row n with the given running means (the read rows: the means rounded) and a count.
+  void push_means(const Compute* k, const Compute* v, std::int64_t count = 0) {
+    const Index r = open(count);
+    std::copy(k, k + key_dim(), mean_keys_data() + r * key_dim());
+    std::copy(v, v + value_dim(), mean_values_data() + r * value_dim());
+    publish(r);
+  }
+  // Row r as the reads see it, from its mean (nothing to do when they are the same rows).
+  void publish(Index r) {
+    if constexpr (kSeparateMeans) {
+      for (Index c = 0; c < key_dim(); ++c) keys_(r, c) = narrow<Element>(mean_keys_(r, c));
+      for (Index c = 0; c < value_dim(); ++c) values_(r, c) = narrow<Element>(mean_values_(r, c));
+    }
   }
 
   void clear() {
@@ -95,9 +126,10 @@ class Dictionary {
 
   // Payload bytes held: the full capacity, whatever is active (the dictionary never grows).
   std::size_t bytes() const {
+    const std::size_t width = static_cast<std::size_t>(key_dim() + value_dim());
     return static_cast<std::size_t>(capacity()) *
-           (static_cast<std::size_t>(key_dim() + value_dim() + 1) * sizeof(Scalar) +
-            sizeof(std::int64_t));
+           (width * sizeof(Element) + (kSeparateMeans ? width * sizeof(Compute) : 0) +
+            sizeof(Compute) + sizeof(std::int64_t));
   }
 
   friend bool operator==(const Dictionary& a, const Dictionary& b) {
@@ -106,18 +138,42 @@ class Dictionary {
       return false;
     for (Index r = 0; r < a.size_; ++r)
       if (a.count(r) != b.count(r)) return false;
-    return as_eigen(a.keys()) == as_eigen(b.keys()) &&
-           as_eigen(a.values()) == as_eigen(b.values());
+    return as_eigen(a.mean_keys()) == as_eigen(b.mean_keys()) &&
+           as_eigen(a.mean_values()) == as_eigen(b.mean_values()) &&
+           as_eigen(a.keys()) == as_eigen(b.keys()) && as_eigen(a.values()) == as_eigen(b.values());
   }
   friend bool operator!=(const Dictionary& a, const Dictionary& b) { return !(a == b); }
 
  private:
-  static constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
+  static constexpr Compute kNegInf = -std::numeric_limits<Compute>::infinity();
 
-  RowMatrix<Scalar> keys_;    // capacity x dk
-  RowMatrix<Scalar> values_;  // capacity x dv
+  Index open(std::int64_t count) {
+    detail::require(size_ < capacity(), "Dictionary::push", "dictionary is full (capacity ",
+                    capacity(), "), expected a free row");
+    detail::require(count >= 0, "Dictionary::push", "count = ", count, ", expected >= 0");
+    const Index r = size_++;
+    set_count(r, count);
+    return r;
+  }
+  Compute* mean_keys_data() {
+    if constexpr (kSeparateMeans) return mean_keys_.data(); else return keys_.data();
+  }
+  const Compute* mean_keys_data() const {
+    if constexpr (kSeparateMeans) return mean_keys_.data(); else return keys_.data();
+  }
+  Compute* mean_values_data() {
+    if constexpr (kSeparateMeans) return mean_values_.data(); else return values_.data();
+  }
+  const Compute* mean_values_data() const {
+    if constexpr (kSeparateMeans) return mean_values_.data(); else return values_.data();
+  }
+
+  RowMatrix<Element> keys_;         // capacity x dk
+  RowMatrix<Element> values_;       // capacity x dv
+  RowMatrix<Compute> mean_keys_;    // capacity x dk, 16-bit elements only
+  RowMatrix<Compute> mean_values_;  // capacity x dv
   std::vector<std::int64_t> counts_;
-  std::vector<Scalar> log_counts_;
+  std::vector<Compute> log_counts_;
   Index size_ = 0;
 };
 

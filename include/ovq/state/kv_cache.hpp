@@ -14,7 +14,7 @@ namespace ovq {
 
 template <class Scalar>
 class KvCache {
-  static_assert(is_supported_scalar_v<Scalar>, "ovq states hold float or double");
+  static_assert(is_element_v<Scalar>, "ovq states hold float, double, bf16 or fp16");
 
  public:
   using scalar_type = Scalar;

@@ -20,10 +20,11 @@ namespace ovq {
 
 template <class Scalar>
 class LinearState {
-  static_assert(is_supported_scalar_v<Scalar>, "ovq states hold float or double");
+  static_assert(is_element_v<Scalar>, "ovq states hold float, double, bf16 or fp16");
 
  public:
   using scalar_type = Scalar;
+  using Compute = compute_t<Scalar>;
 
   LinearState() = default;
   LinearState(Index dk, Index dv, Index chunk)
@@ -46,10 +47,11 @@ class LinearState {
   ConstRowsView<Scalar> pending_keys() const { return pending_.keys(); }
   ConstRowsView<Scalar> pending_values() const { return pending_.values(); }
 
-  const RowMatrix<Scalar>& kv() const { return kv_; }       // S, dk x dv (complete chunks)
-  const RowVector<Scalar>& k_sum() const { return k_sum_; }  // z, dk (complete chunks)
-  RowMatrix<Scalar>& kv() { return kv_; }
-  RowVector<Scalar>& k_sum() { return k_sum_; }
+  // S and z are sums, kept in the compute type (float for 16-bit elements).
+  const RowMatrix<Compute>& kv() const { return kv_; }       // S, dk x dv (complete chunks)
+  const RowVector<Compute>& k_sum() const { return k_sum_; }  // z, dk (complete chunks)
+  RowMatrix<Compute>& kv() { return kv_; }
+  RowVector<Compute>& k_sum() { return k_sum_; }
 
   // Appends rows to the pending buffer, at most chunk() - pending() of them.
   void push_pending(ConstRowsView<Scalar> k, ConstRowsView<Scalar> v) {
@@ -72,7 +74,7 @@ class LinearState {
   }
 
   std::size_t bytes() const {
-    return static_cast<std::size_t>(kv_.size() + k_sum_.size()) * sizeof(Scalar) +
+    return static_cast<std::size_t>(kv_.size() + k_sum_.size()) * sizeof(Compute) +
            pending_.bytes();
   }
 
@@ -91,8 +93,8 @@ class LinearState {
   friend bool operator!=(const LinearState& a, const LinearState& b) { return !(a == b); }
 
  private:
-  RowMatrix<Scalar> kv_;         // dk x dv
-  RowVector<Scalar> k_sum_;      // dk
+  RowMatrix<Compute> kv_;        // dk x dv
+  RowVector<Compute> k_sum_;     // dk
   PendingRows<Scalar> pending_;  // the current chunk's raw rows
   std::int64_t absorbed_ = 0;
 };

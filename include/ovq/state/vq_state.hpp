@@ -18,10 +18,11 @@ namespace ovq {
 
 template <class Scalar>
 class VqState {
-  static_assert(is_supported_scalar_v<Scalar>, "ovq states hold float or double");
+  static_assert(is_element_v<Scalar>, "ovq states hold float, double, bf16 or fp16");
 
  public:
   using scalar_type = Scalar;
+  using Compute = compute_t<Scalar>;
 
   VqState() = default;
   // codebook: S x dk, finite; chunk: L, the tokens per write.
@@ -34,9 +35,11 @@ class VqState {
         pending_("VqState", chunk, codebook.cols, dv) {
     detail::check_finite<Scalar>("VqState", "codebook", codebook);
     RowVector<Scalar> zero = RowVector<Scalar>::Zero(dv);
+    RowVector<Compute> code(codebook.cols);  // a code widened (itself for float and double)
     for (Index s = 0; s < codebook.rows; ++s) {
       dictionary_.push(codebook.row(s), zero.data(), 0);
-      neg_half_norms_[s] = Scalar(-0.5) * row_map(codebook, s).squaredNorm();
+      for (Index c = 0; c < codebook.cols; ++c) code[c] = widen(codebook.row(s)[c]);
+      neg_half_norms_[s] = Compute(-0.5) * code.squaredNorm();
     }
   }
 
@@ -46,7 +49,7 @@ class VqState {
   Index chunk() const { return pending_.chunk(); }
   ConstRowsView<Scalar> codebook() const { return dictionary_.keys(); }
   // -|C_s|^2 / 2: the offset turning the inner-product argmax into the nearest code.
-  const Scalar* neg_half_norms() const { return neg_half_norms_.data(); }
+  const Compute* neg_half_norms() const { return neg_half_norms_.data(); }
 
   // Counts and mean values of the complete chunks.
   const Dictionary<Scalar>& dictionary() const { return dictionary_; }
@@ -81,14 +84,19 @@ class VqState {
   }
 
   std::size_t bytes() const {
-    return dictionary_.bytes() + static_cast<std::size_t>(neg_half_norms_.size()) * sizeof(Scalar) +
+    return dictionary_.bytes() + static_cast<std::size_t>(neg_half_norms_.size()) * sizeof(Compute) +
            pending_.bytes() + pending_codes_.size() * sizeof(Index);
   }
 
   // Forgets the stream; the codebook stays.
   void reset() {
     for (Index s = 0; s < dictionary_.size(); ++s) dictionary_.set_count(s, 0);
-    as_eigen(dictionary_.values()).setZero();
+    Dictionary<Scalar>& d = dictionary_;
+    const DictionaryRows<Scalar> rows = d.rows();
+    for (Index s = 0; s < d.size(); ++s) {
+      std::fill(rows.mean_values.row(s), rows.mean_values.row(s) + d.value_dim(), Compute(0));
+      d.publish(s);
+    }
     pending_.clear();
   }
 
@@ -119,7 +127,7 @@ class VqState {
   }
 
   Dictionary<Scalar> dictionary_;  // keys: the codebook; values: mean value per code
-  RowVector<Scalar> neg_half_norms_;
+  RowVector<Compute> neg_half_norms_;
   std::vector<Index> pending_codes_;  // chunk entries, [0, pending) in use
   PendingRows<Scalar> pending_;       // the codebook rows of the pending codes, and the values
 };

@@ -92,12 +92,11 @@ struct DictionaryWriteProgram {
     unsigned char* picked = row_of(p.picked);
     Index* order = row_of(p.order);
     Index* draws = row_of(p.draws);
-    const DictionaryRows<Scalar> dict{
+    const DictionaryRows<Scalar> dict = dictionary_rows<Scalar>(
         {p.dict_keys.data + s * p.dict_keys.head_stride, p.capacity, p.dk, p.dict_keys.row_stride},
         {p.dict_values.data + s * p.dict_values.head_stride, p.capacity, p.dv,
          p.dict_values.row_stride},
-        p.counts + s * p.capacity,
-        p.log_counts + s * p.capacity};
+        p.counts + s * p.capacity, p.log_counts + s * p.capacity);
     unsigned char* raw = static_cast<unsigned char*>(block.shared());
     Index* first_part = reinterpret_cast<Index*>(raw);
     Index* best_part = first_part + kThreads;

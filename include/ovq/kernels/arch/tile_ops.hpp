@@ -28,6 +28,7 @@
 // AVX-512 and AVX2+FMA) share one register-blocked template over a small vector wrapper.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -85,20 +86,23 @@ void pack_key_panels(ConstRowsView<Scalar> keys, AlignedVector<Scalar>& panels) 
 
 // ---- portable ----
 
-template <class Scalar>
-struct TileOps<Scalar, arch::scalar> {
+// Elements are widened to their compute type as they are read (exact), so a 16-bit kernel
+// computes what the compute type's kernel computes on the widened values.
+template <class Element>
+struct TileOps<Element, arch::scalar> {
+  using Compute = compute_t<Element>;
   static constexpr Index kKeyTile = 64;
 
   // Cost: 2 bq kKeyTile d flops.
-  static void scores_packed(const Scalar* q, Index q_stride, Index bq, const Scalar* panel,
-                            Index d, Scalar beta, Scalar* s) {
+  static void scores_packed(const Compute* q, Index q_stride, Index bq, const Compute* panel,
+                            Index d, Compute beta, Compute* s) {
     for (Index i = 0; i < bq; ++i) {
-      Scalar* row = s + i * kKeyTile;
-      std::fill(row, row + kKeyTile, Scalar(0));
-      const Scalar* qi = q + i * q_stride;
+      Compute* row = s + i * kKeyTile;
+      std::fill(row, row + kKeyTile, Compute(0));
+      const Compute* qi = q + i * q_stride;
       for (Index k = 0; k < d; ++k) {
-        const Scalar a = qi[k];
-        const Scalar* p = panel + k * kKeyTile;
+        const Compute a = qi[k];
+        const Compute* p = panel + k * kKeyTile;
         for (Index j = 0; j < kKeyTile; ++j) row[j] = fused_multiply_add(a, p[j], row[j]);
       }
       for (Index j = 0; j < kKeyTile; ++j) row[j] *= beta;
@@ -107,47 +111,47 @@ struct TileOps<Scalar, arch::scalar> {
 
   // keys[j] (d entries each, all non-null). Cost: 2 bq kKeyTile d flops.
   template <class Pacing = NoPacing>
-  static void scores_rows(const Scalar* q, Index q_stride, Index bq, const Scalar* const* keys,
-                          Index d, Scalar beta, Scalar* s, Pacing pacing = {}) {
+  static void scores_rows(const Element* q, Index q_stride, Index bq, const Element* const* keys,
+                          Index d, Compute beta, Compute* s, Pacing pacing = {}) {
     for (Index i = 0; i < bq; ++i) {
-      const Scalar* qi = q + i * q_stride;
+      const Element* qi = q + i * q_stride;
       for (Index j = 0; j < kKeyTile; ++j) {
         pacing.advance(2 * d);
-        const Scalar* kj = keys[j];
-        Scalar dot = Scalar(0);
-        for (Index k = 0; k < d; ++k) dot = fused_multiply_add(qi[k], kj[k], dot);
+        const Element* kj = keys[j];
+        Compute dot = Compute(0);
+        for (Index k = 0; k < d; ++k) dot = fused_multiply_add(widen(qi[k]), widen(kj[k]), dot);
         s[i * kKeyTile + j] = dot * beta;
       }
     }
   }
 
-  static Scalar mask_max(Scalar* s, Index lo, Index hi) {
-    constexpr Scalar kMax = std::numeric_limits<Scalar>::max();
-    Scalar largest = -std::numeric_limits<Scalar>::infinity();
+  static Compute mask_max(Compute* s, Index lo, Index hi) {
+    constexpr Compute kMax = std::numeric_limits<Compute>::max();
+    Compute largest = -std::numeric_limits<Compute>::infinity();
     for (Index j = 0; j < kKeyTile; ++j) {
-      Scalar x = s[j];
+      Compute x = s[j];
       if (!(x >= -kMax)) x = -kMax;  // -inf from overflow, or NaN
       if (x > kMax) x = kMax;
-      if (j < lo || j >= hi) x = -std::numeric_limits<Scalar>::infinity();
+      if (j < lo || j >= hi) x = -std::numeric_limits<Compute>::infinity();
       s[j] = x;
       largest = std::max(largest, x);
     }
     return largest;
   }
 
-  static void scale(Scalar* x, Index n, Scalar f) {
+  static void scale(Compute* x, Index n, Compute f) {
     for (Index c = 0; c < n; ++c) x[c] *= f;
   }
 
   // offset may be null (no offset). Cost: n compares (and n adds with an offset).
-  static bool any_greater(const Scalar* s, const Scalar* offset, Index n, Scalar threshold) {
+  static bool any_greater(const Compute* s, const Compute* offset, Index n, Compute threshold) {
     for (Index j = 0; j < n; ++j)
       if ((offset != nullptr ? s[j] + offset[j] : s[j]) > threshold) return true;
     return false;
   }
 
-  static Scalar exp_sum(Scalar* s, Scalar m) {
-    Scalar sum = Scalar(0);
+  static Compute exp_sum(Compute* s, Compute m) {
+    Compute sum = Compute(0);
     for (Index j = 0; j < kKeyTile; ++j) {
       s[j] = std::exp(s[j] - m);
       sum += s[j];
@@ -157,16 +161,16 @@ struct TileOps<Scalar, arch::scalar> {
 
   // Cost: 2 bq bk dv flops.
   template <class Pacing = NoPacing>
-  static void accumulate(const Scalar* p, Index bq, Index bk, const Scalar* v, Index v_stride,
-                         Index dv, Scalar* acc, Index acc_stride, Pacing pacing = {}) {
+  static void accumulate(const Compute* p, Index bq, Index bk, const Element* v, Index v_stride,
+                         Index dv, Compute* acc, Index acc_stride, Pacing pacing = {}) {
     for (Index i = 0; i < bq; ++i) {
-      Scalar* a = acc + i * acc_stride;
+      Compute* a = acc + i * acc_stride;
       for (Index j = 0; j < bk; ++j) {
         pacing.advance(2 * dv);
-        const Scalar w = p[i * kKeyTile + j];
-        if (w == Scalar(0)) continue;
-        const Scalar* vj = v + j * v_stride;
-        for (Index c = 0; c < dv; ++c) a[c] = fused_multiply_add(w, vj[c], a[c]);
+        const Compute w = p[i * kKeyTile + j];
+        if (w == Compute(0)) continue;
+        const Element* vj = v + j * v_stride;
+        for (Index c = 0; c < dv; ++c) a[c] = fused_multiply_add(w, widen(vj[c]), a[c]);
       }
     }
   }
@@ -198,6 +202,20 @@ inline float reduce_add8(__m256 a) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// p[0..n) of 16-bit elements, zeros above, in a buffer of N (a tail load that reads nothing past
+// p + n).
+template <class H, int N>
+struct FirstOf {
+  H data[N];
+};
+template <class H, int N>
+inline FirstOf<H, N> first_of(const H* p, Index n) {
+  FirstOf<H, N> out;
+  std::memset(out.data, 0, sizeof out.data);
+  std::memcpy(out.data, p, static_cast<std::size_t>(n) * sizeof(H));
+  return out;
 }
 
 #if defined(OVQ_ARCH_AVX512)
@@ -246,6 +264,18 @@ struct F32x16 {
   static reg load_first(const float* p, Index n) {
     return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1u), p);
   }
+  // 16-bit elements, widened (exact): bf16 is the upper half of a float, fp16 converts.
+  static reg load(const bf16* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static reg load(const fp16* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  template <class H>
+  static reg load_first(const H* p, Index n) {
+    return load(first_of<H, 16>(p, n).data);
+  }
   // Lane l + lane l + 8: the first step of the lane sum (then reduce8's tree).
   static __m256 fold_to_8(reg a) { return _mm256_add_ps(_mm512_castps512_ps256(a), upper_half(a)); }
   // Lanes 8 ... 15 (AVX-512F has no 32-bit-lane extract of a half; the 64-bit one moves the
@@ -293,6 +323,23 @@ struct F32x8 {
     return _mm256_maskload_ps(p, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kMask + 8 - n)));
   }
   static __m256 fold_to_8(reg a) { return a; }
+  static reg load(const bf16* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static reg load(const fp16* p) {
+#if defined(OVQ_ARCH_F16C)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+    alignas(32) float wide[8];
+    for (int i = 0; i < 8; ++i) wide[i] = widen(p[i]);
+    return _mm256_load_ps(wide);
+#endif
+  }
+  template <class H>
+  static reg load_first(const H* p, Index n) {
+    return load(first_of<H, 8>(p, n).data);
+  }
 };
 #endif
 
@@ -337,8 +384,11 @@ typename V::reg exp_nonpositive(typename V::reg x) {
   return V::zero_below(x, -87.3f, V::mul(p, V::pow2(n)));
 }
 
-template <class V>
+// E: the element of Q, K and V (float, or a 16-bit type widened to float as it is loaded: the
+// same float computation on the widened values).
+template <class V, class E = float>
 struct SimdTileOps {
+  using Compute = float;
   static constexpr Index W = V::kWidth;
   static constexpr Index kKeyTile = 4 * W;  // one score row is 4 vectors
   using reg = typename V::reg;
@@ -384,9 +434,9 @@ struct SimdTileOps {
   };
 
   template <int R, int C>
-  static Products<R * C> dot_products(const float* q, Index q_stride, const float* const* keys,
+  static Products<R * C> dot_products(const E* q, Index q_stride, const E* const* keys,
                                       Index d) {
-    const float* key[C];
+    const E* key[C];
     OVQ_UNROLL
     for (int c = 0; c < C; ++c) key[c] = keys[c];
     Products<R * C> products;
@@ -440,7 +490,7 @@ struct SimdTileOps {
   // key by key here, keys in DRAM); the out-of-order core overlaps the independent chains.
   // Cost: 2 bq kKeyTile d flops.
   template <class Pacing = NoPacing>
-  static void scores_rows(const float* q, Index q_stride, Index bq, const float* const* keys,
+  static void scores_rows(const E* q, Index q_stride, Index bq, const E* const* keys,
                           Index d, float beta, float* s, Pacing pacing = {}) {
     Index i = 0;
     for (; i + 6 <= bq; i += 6) {
@@ -553,7 +603,7 @@ struct SimdTileOps {
 
   // Register block: R rows x C vectors of acc. Cost 2 R bk (C W) flops.
   template <int R, int C, class Pacing>
-  static void accumulate_block(const float* p, Index bk, const float* v, Index v_stride,
+  static void accumulate_block(const float* p, Index bk, const E* v, Index v_stride,
                                float* acc, Index acc_stride, Pacing pacing) {
     reg a[R][C];
     OVQ_UNROLL
@@ -596,7 +646,7 @@ struct SimdTileOps {
   static constexpr Index kDecodeRun = 4;
 
   template <int R, class Pacing>
-  static void accumulate_rows(const float* p, Index bk, const float* v, Index v_stride, Index dv,
+  static void accumulate_rows(const float* p, Index bk, const E* v, Index v_stride, Index dv,
                               float* acc, Index acc_stride, Pacing pacing) {
     constexpr int kCols = accumulate_columns(R);
     if constexpr (R == 1) {
@@ -620,14 +670,15 @@ struct SimdTileOps {
       OVQ_UNROLL
       for (int i = 0; i < R; ++i) {
         float a = acc[i * acc_stride + c];
-        for (Index j = 0; j < bk; ++j) a = fused_multiply_add(p[i * kKeyTile + j], v[j * v_stride + c], a);
+        for (Index j = 0; j < bk; ++j)
+          a = fused_multiply_add(p[i * kKeyTile + j], widen(v[j * v_stride + c]), a);
         acc[i * acc_stride + c] = a;
       }
     }
   }
 
   template <class Pacing = NoPacing>
-  static void accumulate(const float* p, Index bq, Index bk, const float* v, Index v_stride,
+  static void accumulate(const float* p, Index bq, Index bk, const E* v, Index v_stride,
                          Index dv, float* acc, Index acc_stride, Pacing pacing = {}) {
     Index i = 0;
     for (; i + kAccRows <= bq; i += kAccRows)
@@ -648,10 +699,18 @@ struct SimdTileOps {
 #if defined(OVQ_ARCH_AVX512)
 template <>
 struct TileOps<float, arch::avx512> : simd::SimdTileOps<simd::F32x16> {};
+template <>
+struct TileOps<bf16, arch::avx512> : simd::SimdTileOps<simd::F32x16, bf16> {};
+template <>
+struct TileOps<fp16, arch::avx512> : simd::SimdTileOps<simd::F32x16, fp16> {};
 #endif
 #if defined(OVQ_ARCH_AVX2)
 template <>
 struct TileOps<float, arch::avx2> : simd::SimdTileOps<simd::F32x8> {};
+template <>
+struct TileOps<bf16, arch::avx2> : simd::SimdTileOps<simd::F32x8, bf16> {};
+template <>
+struct TileOps<fp16, arch::avx2> : simd::SimdTileOps<simd::F32x8, fp16> {};
 #endif
 
 }  // namespace ovq::kernels
