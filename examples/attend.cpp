@@ -60,12 +60,14 @@ MIXER
   ovq       OVQ-attention with an online dictionary
 
 Arrays
-  Little-endian float32 or float64, C order, shaped (T, d) for one head or
+  Little-endian float16, float32 or float64, C order, shaped (T, d) for one head or
   (H, T, d) for H heads. Q is (Hq, T, dk), K is (Hkv, T, dk), V is (Hkv, T, dv);
   K and V may have fewer heads than Q (grouped queries): Hq must be a multiple
   of Hkv, and query head h reads key/value head h / (Hq / Hkv). Q, K, V (and the
   codebook) must all have the same dtype; the computation runs in that precision
-  and O is written in it, shaped like Q with dv columns: (T, dv) or (Hq, T, dv).
+  (float16: 16-bit keys, values and states, computed in float) and O is written in
+  it, shaped like Q with dv columns: (T, dv) or (Hq, T, dv). --storage picks another
+  element type, converting the inputs as they are read.
 
 Options for every mixer
   --q, --k, --v PATH    input arrays (required)
@@ -76,6 +78,11 @@ Options for every mixer
   --split a,b,...       feed the sequence as consecutive forward calls of these
                         lengths (integers >= 0 that must add up to T)
   --threads N           run key/value heads on at most N threads (0: OpenMP's default)
+  --storage T           the element type of the run: f16, bf16, f32 or f64 (default:
+                        the inputs' dtype). The inputs are rounded to it (float64 to a
+                        16-bit type through float32); O is written in it, except for bf16,
+                        which NumPy does not have: O is then written as float32 (the bf16
+                        outputs, exactly)
   --device cpu|cuda     where to compute (default cpu). cuda: the library's CUDA mixers
                         on the first GPU, the same options, states and mathematics (only
                         in an attend built with CUDA: ovq configured with OVQ_ENABLE_CUDA)
@@ -207,6 +214,7 @@ const OptionSpec kOptions[] = {
     {"--split", true, kAll},
     {"--threads", true, kAll},
     {"--device", true, kAll},
+    {"--storage", true, kAll},
     {"--load-state", true, kAll},
     {"--save-state", true, kAll},
     {"--window", true, kSelf},
@@ -315,6 +323,7 @@ struct Config {
   std::optional<std::vector<std::int64_t>> split;
   std::optional<int> threads;
   bool cuda = false;
+  std::optional<std::string> storage;  // f16, bf16, f32, f64
   std::string codebook_path;
   std::optional<std::string> state_out;
   std::optional<std::string> load_state;
@@ -407,6 +416,10 @@ std::optional<Config> parse_command_line(int argc, char** argv) {
       throw UsageError("--device cuda: this attend was built without CUDA (configure ovq with "
                        "-DOVQ_ENABLE_CUDA=ON where nvcc is installed)");
 #endif
+  }
+  if (has("--storage")) {
+    cfg.storage = parse_choice<std::string>(
+        "--storage", value("--storage"), {{"f16", "f16"}, {"bf16", "bf16"}, {"f32", "f32"}, {"f64", "f64"}});
   }
   if (has("--state-out")) {
     if (value("--state-out").empty()) throw UsageError("--state-out: empty path");
@@ -530,7 +543,9 @@ std::string shape_text(const std::vector<std::int64_t>& shape) {
   return s + (shape.size() == 1 ? ",)" : ")");
 }
 
-const char* dtype_name(ovq::io::DType d) { return d == ovq::io::DType::f32 ? "float32" : "float64"; }
+const char* dtype_name(ovq::io::DType d) {
+  return d == ovq::io::DType::f32 ? "float32" : d == ovq::io::DType::f64 ? "float64" : "float16";
+}
 
 // An input array seen as heads x rows x cols.
 struct Array3 {
@@ -653,6 +668,10 @@ RowMatrix<typename Mixer::scalar_type> drive(ovq::MultiHead<Mixer>& layer, const
   }
 #if defined(OVQ_ATTEND_CUDA)
   if (cfg.cuda) {
+    if constexpr (!ovq::is_supported_scalar_v<Scalar>) {
+      throw InputError(std::string("--device cuda: the CUDA mixers run on float32 and float64, "
+                                   "not ") + ovq::element_name<Scalar>());
+    } else {
     attend_cuda::Problem<Scalar> p;
     p.hq = d.hq;
     p.hkv = d.hkv;
@@ -665,6 +684,7 @@ RowMatrix<typename Mixer::scalar_type> drive(ovq::MultiHead<Mixer>& layer, const
     p.lengths = lengths;
     p.steps = cfg.stream;
     return attend_cuda::run(layer.mixer().options(), layer.states(), p);
+    }
   }
 #endif
   RowMatrix<Scalar> qp, kp, vp, op;
@@ -703,6 +723,21 @@ HeadSummary summary(const ovq::OvqState<Scalar>& s) {
   return {s.dictionary().size(), s.absorbed(), s.pending()};
 }
 
+// An array of a run's elements as .npy: in their own dtype, except bf16, which NumPy does not
+// have: written as float32 (exactly).
+template <class T>
+void write_array(const std::string& path, const T* data, const std::vector<std::int64_t>& shape) {
+  if constexpr (std::is_same_v<T, ovq::bf16>) {
+    std::int64_t count = 1;
+    for (std::int64_t s : shape) count *= s;
+    std::vector<float> wide(static_cast<std::size_t>(count));
+    for (std::size_t i = 0; i < wide.size(); ++i) wide[i] = ovq::widen(data[i]);
+    ovq::io::write_npy<float>(path, wide.data(), shape);
+  } else {
+    ovq::io::write_npy<T>(path, data, shape);
+  }
+}
+
 void write_text_file(const std::string& path, const std::string& text) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   if (!out) throw ovq::IoError("cannot open '" + path + "' for writing");
@@ -725,8 +760,9 @@ void write_state(const ovq::MultiHead<Mixer>& layer, const std::string& prefix,
     const std::string base = heads == 1 ? prefix : prefix + ".h" + std::to_string(h);
     const auto n = static_cast<std::int64_t>(s.n);
     // Active rows are contiguous at the top of the dictionary (stride = width).
-    ovq::io::write_npy<Scalar>(base + ".dk.npy", dict.keys().data, {n, dict.key_dim()});
-    ovq::io::write_npy<Scalar>(base + ".dv.npy", dict.values().data, {n, dict.value_dim()});
+    // The rows' running means (in float for a 16-bit run, where the reads see them rounded).
+    write_array(base + ".dk.npy", dict.mean_keys().data, {n, dict.key_dim()});
+    write_array(base + ".dv.npy", dict.mean_values().data, {n, dict.value_dim()});
     std::vector<double> counts(static_cast<std::size_t>(n));
     for (Index r = 0; r < s.n; ++r) counts[static_cast<std::size_t>(r)] = static_cast<double>(dict.count(r));
     ovq::io::write_npy<double>(base + ".counts.npy", counts.data(), {n});
@@ -739,7 +775,7 @@ void write_state(const ovq::MultiHead<Mixer>& layer, const std::string& prefix,
   };
   std::ostringstream json;
   json << "{\"mixer\": \"" << mixer_name(mixer) << "\", \"dtype\": \""
-       << (std::is_same_v<Scalar, float> ? "float32" : "float64") << "\", \"kv_heads\": " << heads
+       << ovq::element_name<Scalar>() << "\", \"kv_heads\": " << heads
        << ", \"n\": " << field([](const HeadSummary& s) { return static_cast<std::int64_t>(s.n); })
        << ", \"t\": " << field([](const HeadSummary& s) { return s.t; })
        << ", \"pending\": " << field([](const HeadSummary& s) { return s.pending; }) << "}\n";
@@ -794,7 +830,7 @@ void finish(ovq::MultiHead<Mixer>& layer, const Config& cfg, const Dims& d, cons
   }
   std::vector<std::int64_t> shape = qa.npy.shape;
   shape.back() = d.dv;
-  ovq::io::write_npy<Scalar>(cfg.out_path, o.data(), shape);
+  write_array(cfg.out_path, o.data(), shape);
 }
 
 template <class Scalar>
@@ -833,7 +869,7 @@ void run(const Config& cfg, const Array3& qa, const Array3& ka, const Array3& va
     }
     case MixerKind::vq: {
       const Array3 cb = load("codebook", cfg.codebook_path, "(S, dk) or (Hkv, S, dk)");
-      if (cb.npy.dtype != qa.npy.dtype) {
+      if (cb.npy.dtype != qa.npy.dtype && !cfg.storage) {
         throw InputError(cb.label + " is " + dtype_name(cb.npy.dtype) + ", expected " +
                          dtype_name(qa.npy.dtype) + " like Q, K and V");
       }
@@ -885,10 +921,17 @@ int attend(int argc, char** argv) {
   const Array3 k = load("K", cfg.k_path, "(T, dk) or (Hkv, T, dk)");
   const Array3 v = load("V", cfg.v_path, "(T, dv) or (Hkv, T, dv)");
   const Dims d = check_inputs(q, k, v);
-  if (q.npy.dtype == ovq::io::DType::f32) {
+  std::string element = cfg.storage.value_or(q.npy.dtype == ovq::io::DType::f32   ? "f32"
+                                             : q.npy.dtype == ovq::io::DType::f64 ? "f64"
+                                                                                  : "f16");
+  if (element == "f32") {
     run<float>(cfg, q, k, v, d);
-  } else {
+  } else if (element == "f64") {
     run<double>(cfg, q, k, v, d);
+  } else if (element == "f16") {
+    run<ovq::fp16>(cfg, q, k, v, d);
+  } else {
+    run<ovq::bf16>(cfg, q, k, v, d);
   }
   return 0;
 }

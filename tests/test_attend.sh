@@ -40,7 +40,7 @@ import sys
 import numpy as np
 
 ATTEND, WORK = sys.argv[1], sys.argv[2]
-TOL = {np.float32: 1e-4, np.float64: 1e-10}
+TOL = {np.float32: 1e-4, np.float64: 1e-10, np.float16: 4e-3, "bf16": 2.5e-2}
 passed = 0
 failed = []
 counter = [0]
@@ -86,7 +86,8 @@ def attend(mixer, Q, K, V, *extra, what):
     O = np.load(out)
     want_shape = Q.shape[:-1] + (V.shape[-1],)
     ok(O.shape == want_shape, "%s: O shape %s, expected %s" % (what, O.shape, want_shape))
-    ok(O.dtype == Q.dtype, "%s: O dtype %s, expected %s" % (what, O.dtype, Q.dtype))
+    want_dtype = np.float32 if "bf16" in [str(e) for e in extra] else Q.dtype
+    ok(O.dtype == want_dtype, "%s: O dtype %s, expected %s" % (what, O.dtype, want_dtype))
     return O
 
 
@@ -516,6 +517,38 @@ ok(r.returncode == 2 and len(r.stderr.splitlines()) == 1 and r.stderr.startswith
 r = run(["--help"])
 ok(r.returncode == 0 and r.stdout.startswith("usage: attend") and "--state-out" in r.stdout
    and r.stderr == "", "--help: exit %d, stderr %r" % (r.returncode, r.stderr))
+
+# ---- 16-bit runs: float16 inputs, and --storage bf16 ----------------------------------------
+# The references run on the 16-bit values (widened to float64); the bounds are those of a
+# 16-bit computation (its outputs are rounded to 16 bits, its dictionaries read rounded rows).
+def to_bf16(a):
+    """float32 -> the nearest bfloat16, as float32 (round to nearest, ties to even)."""
+    b = np.asarray(a, np.float32).view(np.uint32).astype(np.uint64)
+    b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
+    return b.astype(np.uint32).view(np.float32)
+
+for kind in (np.float16, "bf16"):
+    for lname, Q, K, V in layouts(np.float32):
+        if kind == np.float16:
+            Q, K, V = Q.astype(np.float16), K.astype(np.float16), V.astype(np.float16)
+            extra, Qr, Kr, Vr = [], Q, K, V
+        else:
+            extra, Qr, Kr, Vr = ["--storage", "bf16"], to_bf16(Q), to_bf16(K), to_bf16(V)
+        tag = "%s %s" % ("float16" if kind == np.float16 else "bf16", lname)
+        what = "self %s" % tag
+        O = attend("self", Q, K, V, "--beta", 0.5, "--chunk", 8, *extra, what=what)
+        close(O, per_head(Qr, Kr, Vr, lambda q, k, v, g: ref_self(q, k, v, 0.5)), kind, what)
+        what = "linear %s" % tag
+        O = attend("linear", Q, K, V, "--beta", 0.3, "--chunk", 6, "--feature-map", "elu1",
+                   "--normalize", *extra, what=what)
+        close(O, per_head(Qr, Kr, Vr, lambda q, k, v, g: ref_linear(q, k, v, 0.3, "elu1", True)),
+              kind, what)
+        Ku = unit_rows(np.asarray(Kr, np.float32))
+        Ku = Ku.astype(np.float16) if kind == np.float16 else to_bf16(Ku)
+        what = "ovq %s" % tag
+        O = attend("ovq", Q, Ku, V, "--growth", "linear", "--capacity", Q.shape[-2], "--chunk", 8,
+                   "--beta", 2.0, *extra, what=what)
+        close(O, per_head(Qr, Ku, Vr, lambda q, k, v, g: ref_self(q, k, v, 2.0)), kind, what)
 
 # ---- --device cuda: the same computation on a GPU ---------------------------------------------
 # Three cases, each checked: an attend built without CUDA refuses the option (exit 2); one built

@@ -291,6 +291,30 @@ TEST_CASE("npy: to_vector converts between float widths", "[io][npy]") {
   CHECK(b.to_vector<double>() == std::vector<double>{static_cast<double>(0.1f), 2.0});
 }
 
+TEST_CASE("npy: float16 arrays are read and written ('<f2'), exactly", "[io][npy]") {
+  using ovq::fp16;
+  // 1, -2.5, the largest half, the smallest subnormal half, 0.1 rounded to half.
+  const std::vector<fp16> h = {fp16(1.0f), fp16(-2.5f), fp16(65504.0f),
+                               Eigen::numext::bit_cast<fp16>(std::uint16_t(1)), fp16(0.1f)};
+  const Bytes bytes = ovq::io::encode_npy(h.data(), {5});
+  const NpyArray a = parse(bytes);
+  CHECK(a.dtype == ovq::io::DType::f16);
+  CHECK(a.data.size() == 10);
+  const auto f = a.to_vector<float>();
+  CHECK(f[0] == 1.0f);
+  CHECK(f[1] == -2.5f);
+  CHECK(f[2] == 65504.0f);
+  CHECK(f[3] == std::ldexp(1.0f, -24));
+  CHECK(f[4] == static_cast<float>(fp16(0.1f)));
+  const auto back = a.to_vector<fp16>();
+  for (std::size_t i = 0; i < h.size(); ++i)
+    CHECK(Eigen::numext::bit_cast<std::uint16_t>(back[i]) ==
+          Eigen::numext::bit_cast<std::uint16_t>(h[i]));
+  // The header names the dtype as NumPy does.
+  const std::string header(bytes.begin(), bytes.begin() + 64);
+  CHECK(contains(header, "'descr': '<f2'"));
+}
+
 TEST_CASE("npy: a large array round trips through the chunked writer", "[io][npy]") {
   TempDir dir;
   std::vector<float> v(100000);
@@ -432,7 +456,7 @@ TEST_CASE("npy: rejects integer and other dtypes", "[io][npy]") {
   const std::string msg = format_error_of(bytes_of(kNumpyInt32));
   CHECK(contains(msg, "dtype"));
   CHECK(contains(msg, "<i4"));
-  for (const char* descr : {"|f4", "=f8", "<f2", "<c8", ">f8", "f4", "<u1", ""}) {
+  for (const char* descr : {"|f4", "=f8", ">f2", "<c8", ">f8", "f4", "<u1", ""}) {
     CAPTURE(descr);
     const std::string m =
         format_error_of(make_npy(std::string("{'descr': '") + descr + "', 'fortran_order': False, 'shape': (1,), }", 8));

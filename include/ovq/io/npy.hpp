@@ -1,5 +1,5 @@
 #pragma once
-// Reader and writer for NumPy .npy files holding little-endian float32 / float64 arrays.
+// Reader and writer for NumPy .npy files holding little-endian float16 / float32 / float64 arrays.
 //
 // Format summary (numpy.lib.format):
 //   bytes 0..5   magic "\x93NUMPY"
@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "ovq/core/error.hpp"
+#include "ovq/core/types.hpp"
 #include "ovq/io/file.hpp"
 
 namespace ovq {
@@ -45,13 +46,17 @@ static_assert(std::numeric_limits<float>::is_iec559 && sizeof(float) == 4,
 static_assert(std::numeric_limits<double>::is_iec559 && sizeof(double) == 8,
               "npy: double must be IEEE-754 binary64");
 
-enum class DType { f32, f64 };
+enum class DType { f32, f64, f16 };
 
 // Bytes per element of `dtype`.
-inline std::size_t dtype_size(DType dtype) { return dtype == DType::f32 ? 4u : 8u; }
+inline std::size_t dtype_size(DType dtype) {
+  return dtype == DType::f32 ? 4u : dtype == DType::f64 ? 8u : 2u;
+}
 
-// The numpy descr string of `dtype` ("<f4" or "<f8").
-inline const char* dtype_descr(DType dtype) { return dtype == DType::f32 ? "<f4" : "<f8"; }
+// The numpy descr string of `dtype` ("<f4", "<f8" or "<f2").
+inline const char* dtype_descr(DType dtype) {
+  return dtype == DType::f32 ? "<f4" : dtype == DType::f64 ? "<f8" : "<f2";
+}
 
 // Largest rank accepted when reading or writing.
 inline constexpr std::size_t kNpyMaxRank = 8;
@@ -119,6 +124,17 @@ inline void store_f32(float f, unsigned char* p) {
   for (int i = 0; i < 4; ++i) p[i] = static_cast<unsigned char>(u >> (8 * i));
 }
 
+inline float load_f16(const unsigned char* p) {
+  const auto bits = static_cast<std::uint16_t>(std::uint16_t(p[0]) | (std::uint16_t(p[1]) << 8));
+  return static_cast<float>(Eigen::numext::bit_cast<fp16>(bits));
+}
+
+inline void store_f16(fp16 h, unsigned char* p) {
+  const auto bits = Eigen::numext::bit_cast<std::uint16_t>(h);
+  p[0] = static_cast<unsigned char>(bits & 0xff);
+  p[1] = static_cast<unsigned char>(bits >> 8);
+}
+
 inline void store_f64(double d, unsigned char* p) {
   std::uint64_t u;
   std::memcpy(&u, &d, 8);
@@ -130,6 +146,8 @@ void store_le(const T* src, std::size_t count, unsigned char* dst) {
   for (std::size_t i = 0; i < count; ++i) {
     if constexpr (std::is_same<T, float>::value) {
       store_f32(src[i], dst + 4 * i);
+    } else if constexpr (std::is_same<T, fp16>::value) {
+      store_f16(src[i], dst + 2 * i);
     } else {
       store_f64(src[i], dst + 8 * i);
     }
@@ -138,9 +156,11 @@ void store_le(const T* src, std::size_t count, unsigned char* dst) {
 
 template <class T>
 constexpr DType dtype_of() {
-  static_assert(std::is_same<T, float>::value || std::is_same<T, double>::value,
-                "npy: only float and double arrays can be written");
-  return std::is_same<T, float>::value ? DType::f32 : DType::f64;
+  static_assert(std::is_same<T, float>::value || std::is_same<T, double>::value ||
+                    std::is_same<T, fp16>::value,
+                "npy: only float16, float32 and float64 arrays can be written");
+  return std::is_same<T, float>::value ? DType::f32
+                                       : std::is_same<T, double>::value ? DType::f64 : DType::f16;
 }
 
 // What the fixed-size part of the file says: where the header dict lies.
@@ -215,7 +235,7 @@ class HeaderParser {
         if (have_descr) fail("duplicate header key 'descr'");
         have_descr = true;
         if (peek() != '\'' && peek() != '"') {
-          fail("unsupported dtype: structured or non-string 'descr' (supported dtypes: '<f4', '<f8')");
+          fail("unsupported dtype: structured or non-string 'descr' (supported dtypes: '<f2', '<f4', '<f8')");
         }
         descr = parse_string("the 'descr' value");
       } else if (key == "fortran_order") {
@@ -248,8 +268,10 @@ class HeaderParser {
       h.dtype = DType::f32;
     } else if (descr == "<f8") {
       h.dtype = DType::f64;
+    } else if (descr == "<f2") {
+      h.dtype = DType::f16;
     } else {
-      fail("unsupported dtype '" + descr + "' (supported dtypes: '<f4', '<f8')");
+      fail("unsupported dtype '" + descr + "' (supported dtypes: '<f2', '<f4', '<f8')");
     }
     if (fortran) fail("fortran_order True is not supported (only C-order arrays can be read)");
     std::int64_t count = 0, bytes = 0;
@@ -433,10 +455,12 @@ struct NpyArray {
     return count;
   }
 
-  // The elements converted to T (a floating-point type, so no conversion is undefined).
+  // The elements converted to T (a floating-point or 16-bit type, so no conversion is
+  // undefined; to a 16-bit type through float, to nearest).
   template <class T>
   std::vector<T> to_vector() const {
-    static_assert(std::is_floating_point<T>::value, "NpyArray::to_vector: T must be a floating-point type");
+    static_assert(std::is_floating_point<T>::value || is_half_v<T>,
+                  "NpyArray::to_vector: T must be a floating-point type");
     const std::int64_t count = size();
     const std::size_t item = dtype_size(dtype);
     if (data.size() / item != static_cast<std::uint64_t>(count) || data.size() % item != 0) {
@@ -447,6 +471,12 @@ struct NpyArray {
     const unsigned char* p = data.data();
     if (dtype == DType::f32) {
       for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<T>(npy_detail::load_f32(p + 4 * i));
+    } else if (dtype == DType::f16) {
+      for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<T>(npy_detail::load_f16(p + 2 * i));
+    } else if constexpr (is_half_v<T>) {
+      // float64 to a 16-bit type through float: rounded twice, documented as such.
+      for (std::size_t i = 0; i < out.size(); ++i)
+        out[i] = static_cast<T>(static_cast<float>(npy_detail::load_f64(p + 8 * i)));
     } else {
       for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<T>(npy_detail::load_f64(p + 8 * i));
     }

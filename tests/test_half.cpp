@@ -1,0 +1,304 @@
+// The 16-bit elements (bf16, fp16): every mixer on 16-bit inputs against the float mixer on the
+// same values widened (what a 16-bit mixer computes, by construction: its kernels widen each
+// element as they load it and compute in float), against the double references within the
+// bounds a 16-bit input allows, across cuts of the stream, through state files; and the
+// dictionaries' float running means, which keep moving where 16-bit rows would freeze.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "ovq/io/state_file.hpp"
+#include "support/catch.hpp"
+#include "support/fixtures.hpp"
+#include "support/matchers.hpp"
+
+namespace ovq_test_half {
+
+namespace {
+
+using namespace ovq;
+using ovq::test::random_matrix;
+using ovq::test::relative_error;
+
+// Normalised error of a 16-bit run against the double reference: the inputs themselves carry a
+// relative rounding error of 2^-8 (bf16) or 2^-11 (fp16), the outputs one more.
+template <class H>
+constexpr double half_bound() {
+  return std::is_same_v<H, bf16> ? 1.5e-2 : 2e-3;
+}
+
+template <class H>
+RowMatrix<H> to_half(const RowMatrix<float>& m) {
+  return m.unaryExpr([](float x) { return narrow<H>(x); });
+}
+template <class H>
+RowMatrix<float> widened(const RowMatrix<H>& m) {
+  return m.unaryExpr([](H x) { return widen(x); });
+}
+
+template <class A, class B>
+bool same_bits(const A& a, const B& b) {
+  static_assert(sizeof(typename A::Scalar) == sizeof(typename B::Scalar), "same width");
+  return a.rows() == b.rows() && a.cols() == b.cols() &&
+         std::memcmp(a.data(), b.data(), sizeof(typename A::Scalar) * a.size()) == 0;
+}
+
+// Inputs of a multi-head stream, 16-bit and widened.
+template <class H>
+struct Inputs {
+  RowMatrix<H> q, k, v;
+  RowMatrix<float> qf, kf, vf;
+};
+
+template <class H>
+Inputs<H> inputs(Index hq, Index hkv, Index t, Index dk, Index dv, std::uint64_t seed,
+                 bool unit_keys = false) {
+  RowMatrix<float> q = random_matrix<float>(hq * t, dk, seed);
+  RowMatrix<float> k = random_matrix<float>(hkv * t, dk, seed + 1);
+  if (unit_keys) k.rowwise().normalize();
+  const RowMatrix<float> v = random_matrix<float>(hkv * t, dv, seed + 2);
+  Inputs<H> in{to_half<H>(q), to_half<H>(k), to_half<H>(v), {}, {}, {}};
+  in.qf = widened(in.q);
+  in.kf = widened(in.k);
+  in.vf = widened(in.v);
+  return in;
+}
+
+// The layer fed in pieces (1: a step), outputs in the layer's element type.
+template <class Layer, class M>
+M feed(Layer& layer, const M& q, const M& k, const M& v, Index hq, Index hkv, Index t,
+       const std::vector<Index>& pieces) {
+  M o(q.rows(), layer.value_dim());
+  Index pos = 0;
+  for (std::size_t i = 0; pos < t; ++i) {
+    const Index len = i < pieces.size() ? std::min(pieces[i], t - pos) : t - pos;
+    M qp(hq * len, q.cols()), kp(hkv * len, k.cols()), vp(hkv * len, v.cols()),
+        op(hq * len, layer.value_dim());
+    for (Index h = 0; h < hq; ++h) qp.middleRows(h * len, len) = q.middleRows(h * t + pos, len);
+    for (Index h = 0; h < hkv; ++h) {
+      kp.middleRows(h * len, len) = k.middleRows(h * t + pos, len);
+      vp.middleRows(h * len, len) = v.middleRows(h * t + pos, len);
+    }
+    if (len == 1) {
+      layer.step(qp, kp, vp, op);
+    } else {
+      layer.forward(qp, kp, vp, op);
+    }
+    for (Index h = 0; h < hq; ++h) o.middleRows(h * t + pos, len) = op.middleRows(h * len, len);
+    pos += len;
+  }
+  return o;
+}
+
+const std::vector<std::vector<Index>> kCuts = {{}, {33, 1, 1, 1, 50}, {1, 1, 7, 64, 2}};
+
+// The double reference of causal self-attention over one head's widened rows.
+RowMatrix<double> self_reference(const RowMatrix<float>& q, const RowMatrix<float>& k,
+                                 const RowMatrix<float>& v, Index hq, Index hkv, Index t,
+                                 double beta, Index window) {
+  RowMatrix<double> o(q.rows(), v.cols());
+  const Index g = hq / hkv;
+  for (Index h = 0; h < hq; ++h)
+    o.middleRows(h * t, t) = ref::self_attention(
+        q.middleRows(h * t, t).cast<double>(), k.middleRows(h / g * t, t).cast<double>(),
+        v.middleRows(h / g * t, t).cast<double>(), beta, true, window);
+  return o;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("16-bit self-attention == the float mixer on the widened values, rounded "
+                   "once; within its bound of the reference; any cut, any architecture",
+                   "[half][self]", bf16, fp16) {
+  using H = TestType;
+  const Index hq = 4, hkv = 2, t = 150, dk = 40, dv = 24;
+  const Inputs<H> in = inputs<H>(hq, hkv, t, dk, dv, 7);
+  for (const Index window : {Index(0), Index(30)}) {
+    SelfAttentionOptions opt;
+    opt.beta = 0.3;
+    opt.window = window;
+    opt.chunk = 32;
+    MultiHead<SelfAttention<float>> f(SelfAttention<float>(opt), 1, hq, hkv, dk, dv);
+    const RowMatrix<float> of = f.forward(in.qf, in.kf, in.vf);
+    const RowMatrix<H> rounded = to_half<H>(of);
+    for (const auto& cut : kCuts) {
+      MultiHead<SelfAttention<H>> layer(SelfAttention<H>(opt), 1, hq, hkv, dk, dv);
+      const RowMatrix<H> o = feed(layer, in.q, in.k, in.v, hq, hkv, t, cut);
+      INFO("window " << window << ", pieces " << cut.size());
+      CHECK(same_bits(o, rounded));
+      CHECK(same_bits(as_eigen(layer.state(0, 1).keys()), to_half<H>(as_eigen(f.state(0, 1).keys()))));
+    }
+    CHECK(relative_error(widened(rounded),
+                         self_reference(in.qf, in.kf, in.vf, hq, hkv, t, 0.3, window)) <
+          half_bound<H>());
+    // The portable kernels: the portable float mixer's bits, rounded.
+    MultiHead<SelfAttention<float, arch::scalar>> fs(SelfAttention<float, arch::scalar>(opt), 1,
+                                                      hq, hkv, dk, dv);
+    MultiHead<SelfAttention<H, arch::scalar>> hs(SelfAttention<H, arch::scalar>(opt), 1, hq,
+                                                  hkv, dk, dv);
+    CHECK(same_bits(hs.forward(in.q, in.k, in.v), to_half<H>(fs.forward(in.qf, in.kf, in.vf))));
+  }
+}
+
+TEMPLATE_TEST_CASE("16-bit linear attention == the float mixer on the widened values, rounded "
+                   "once; its sums in float",
+                   "[half][linear]", bf16, fp16) {
+  using H = TestType;
+  const Index hq = 2, hkv = 1, t = 100, dk = 20, dv = 18;
+  const Inputs<H> in = inputs<H>(hq, hkv, t, dk, dv, 17);
+  LinearAttentionOptions opt;
+  opt.chunk = 16;
+  opt.feature_map = kernels::FeatureMap::elu1;
+  opt.normalize = true;
+  opt.decay = 0.98;
+  MultiHead<LinearAttention<float>> f(LinearAttention<float>(opt), 1, hq, hkv, dk, dv);
+  const RowMatrix<H> rounded = to_half<H>(f.forward(in.qf, in.kf, in.vf));
+  for (const auto& cut : kCuts) {
+    MultiHead<LinearAttention<H>> layer(LinearAttention<H>(opt), 1, hq, hkv, dk, dv);
+    CHECK(same_bits(feed(layer, in.q, in.k, in.v, hq, hkv, t, cut), rounded));
+    CHECK(layer.state(0, 0).kv() == f.state(0, 0).kv());
+    CHECK(layer.state(0, 0).k_sum() == f.state(0, 0).k_sum());
+  }
+}
+
+TEMPLATE_TEST_CASE("16-bit OVQ-attention: the float dictionary of the widened stream bit for "
+                   "bit, its read rows those means rounded; outputs within the bound",
+                   "[half][ovq]", bf16, fp16) {
+  using H = TestType;
+  const Index hq = 2, hkv = 2, t = 300, dk = 24, dv = 16;
+  const Inputs<H> in = inputs<H>(hq, hkv, t, dk, dv, 27, true);
+  for (const bool renormalize : {false, true}) {
+    OvqOptions opt;
+    opt.capacity = 64;
+    opt.chunk = 16;
+    opt.beta = 3.0;
+    opt.renormalize = renormalize;
+    MultiHead<OvqAttention<float>> f(OvqAttention<float>(opt), 1, hq, hkv, dk, dv);
+    const RowMatrix<float> of = f.forward(in.qf, in.kf, in.vf);
+    RowMatrix<H> first;
+    for (const auto& cut : kCuts) {
+      MultiHead<OvqAttention<H>> layer(OvqAttention<H>(opt), 1, hq, hkv, dk, dv);
+      const RowMatrix<H> o = feed(layer, in.q, in.k, in.v, hq, hkv, t, cut);
+      for (Index h = 0; h < hkv; ++h) {
+        const Dictionary<H>& d = layer.state(0, h).dictionary();
+        const Dictionary<float>& df = f.state(0, h).dictionary();
+        REQUIRE(d.size() == df.size());
+        for (Index r = 0; r < d.size(); ++r) CHECK(d.count(r) == df.count(r));
+        CHECK(as_eigen(d.mean_keys()) == as_eigen(df.keys()));
+        CHECK(as_eigen(d.mean_values()) == as_eigen(df.values()));
+        CHECK(same_bits(as_eigen(d.keys()), to_half<H>(as_eigen(df.keys()))));
+        CHECK(same_bits(as_eigen(d.values()), to_half<H>(as_eigen(df.values()))));
+      }
+      CHECK(relative_error(widened(o), of) < half_bound<H>());
+      if (first.size() == 0) first = o;
+      CHECK(same_bits(o, first));
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("16-bit VQ-attention: the float counts and means of the widened stream, "
+                   "outputs within the bound",
+                   "[half][vq]", bf16, fp16) {
+  using H = TestType;
+  const Index hq = 2, hkv = 1, t = 120, dk = 16, dv = 12;
+  const Inputs<H> in = inputs<H>(hq, hkv, t, dk, dv, 37);
+  const RowMatrix<H> codebook = to_half<H>(random_matrix<float>(24, dk, 39));
+  VqAttentionOptions opt;
+  opt.chunk = 16;
+  const VqAttention<float> fm(opt);
+  MultiHead<VqAttention<float>> f(fm, 1, hq, {fm.make_state(widened(codebook), dv)});
+  const RowMatrix<float> of = f.forward(in.qf, in.kf, in.vf);
+  const VqAttention<H> hm(opt);
+  MultiHead<VqAttention<H>> layer(hm, 1, hq, {hm.make_state(codebook, dv)});
+  const RowMatrix<H> o = feed(layer, in.q, in.k, in.v, hq, hkv, t, {5, 1, 40});
+  const Dictionary<H>& d = layer.state(0, 0).dictionary();
+  const Dictionary<float>& df = f.state(0, 0).dictionary();
+  for (Index r = 0; r < d.size(); ++r) CHECK(d.count(r) == df.count(r));
+  CHECK(as_eigen(d.mean_values()) == as_eigen(df.values()));
+  CHECK(relative_error(widened(o), of) < half_bound<H>());
+}
+
+TEST_CASE("16-bit running means keep moving where 16-bit rows would freeze", "[half][ovq]") {
+  // One centroid; its keys' second entry 0.5 for 1000 tokens, then -0.25: after c tokens an
+  // update moves the mean by 0.75 / c, below half a bf16 ulp of 0.5 (2^-9) from the start of
+  // the second stretch.
+  OvqOptions opt;
+  opt.capacity = 1;
+  opt.chunk = 1;
+  const Index t = 4000, d = 4;
+  RowMatrix<float> k(t, d), v(t, d), q = RowMatrix<float>::Zero(t, d);
+  for (Index i = 0; i < t; ++i) {
+    k.row(i) << 1.0f, (i < 1000 ? 0.5f : -0.25f), 0.0f, 0.125f;
+    v.row(i) << float(i % 3), 1.0f, -1.0f, 0.0f;
+  }
+  const RowMatrix<bf16> kh = to_half<bf16>(k), vh = to_half<bf16>(v), qh = to_half<bf16>(q);
+  MultiHead<OvqAttention<bf16>> layer(OvqAttention<bf16>(opt), 1, 1, 1, d, d);
+  layer.forward(qh, kh, vh);
+  MultiHead<OvqAttention<float>> f(OvqAttention<float>(opt), 1, 1, 1, d, d);
+  f.forward(q, k, v);
+  const Dictionary<bf16>& dh = layer.state(0, 0).dictionary();
+  CHECK(as_eigen(dh.mean_keys()) == as_eigen(f.state(0, 0).dictionary().keys()));
+  // The exact mean of the keys' second entry: (1000 0.5 - 3000 0.25) / 4000 = -0.0625.
+  CHECK(std::abs(dh.mean_keys().row(0)[1] + 0.0625f) < 1e-5f);
+  CHECK(std::abs(widen(dh.keys().row(0)[1]) + 0.0625f) < 1e-3f);
+  // A mean kept in bf16 and updated by (k - D) / c from the same start never leaves 0.5
+  // (every increment of the second stretch rounds away).
+  bf16 frozen = kh(0, 1);
+  for (Index i = 1; i < t; ++i)
+    frozen = narrow<bf16>(widen(frozen) + (widen(kh(i, 1)) - widen(frozen)) / float(i + 1));
+  CHECK(widen(frozen) == 0.5f);
+}
+
+TEMPLATE_TEST_CASE("16-bit states round-trip through state files bit for bit; the element type "
+                   "is recorded and checked",
+                   "[half][state]", bf16, fp16) {
+  using H = TestType;
+  using ovq::test::MessageHas;
+  const Index t = 70, dk = 12, dv = 8;
+  const Inputs<H> in = inputs<H>(1, 1, t, dk, dv, 47, true);
+  OvqOptions opt;
+  opt.capacity = 16;
+  opt.chunk = 8;
+  const OvqAttention<H> mixer(opt);
+  auto state = mixer.make_state(dk, dv);
+  mixer.forward(state, in.q, in.k, in.v);
+  const std::vector<unsigned char> bytes = io::encode_state(mixer, state);
+  const auto loaded = io::decode_state(mixer, bytes.data(), bytes.size());
+  CHECK(loaded == state);
+  CHECK_THROWS_MATCHES(io::decode_state(OvqAttention<float>(opt), bytes.data(), bytes.size()),
+                       FormatError, MessageHas({"expected 4 bytes (float32", "the file's: ",
+                                                element_name<H>()}));
+  SelfAttentionOptions so;
+  const SelfAttention<H> self(so);
+  auto cache = self.make_state(dk, dv);
+  self.forward(cache, in.q, in.k, in.v);
+  const std::vector<unsigned char> self_bytes = io::encode_state(self, cache);
+  CHECK(io::decode_state(self, self_bytes.data(), self_bytes.size()) == cache);
+  LinearAttentionOptions lo;
+  lo.chunk = 16;
+  const LinearAttention<H> linear(lo);
+  auto ls = linear.make_state(dk, dv);
+  linear.forward(ls, in.q, in.k, in.v);
+  const std::vector<unsigned char> linear_bytes = io::encode_state(linear, ls);
+  CHECK(io::decode_state(linear, linear_bytes.data(), linear_bytes.size()) == ls);
+}
+
+TEMPLATE_TEST_CASE("16-bit inputs are checked like float ones: inf and NaN rejected, the state "
+                   "unchanged",
+                   "[half][errors]", bf16, fp16) {
+  using H = TestType;
+  using ovq::test::MessageHas;
+  const Inputs<H> in = inputs<H>(1, 1, 10, 8, 8, 57);
+  const SelfAttention<H> self;
+  auto cache = self.make_state(8, 8);
+  self.forward(cache, in.q, in.k, in.v);
+  const auto before = cache;
+  RowMatrix<H> bad = in.v;
+  bad(3, 5) = H(std::numeric_limits<float>::infinity());
+  CHECK_THROWS_MATCHES(self.forward(cache, in.q, in.k, bad), ArgumentError,
+                       MessageHas({"V(3, 5)", "expected a finite value"}));
+  CHECK(cache == before);
+}
+
+}  // namespace ovq_test_half
