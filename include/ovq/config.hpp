@@ -2,6 +2,7 @@
 // The only file that reads compiler and ISA macros. Everything else tests OVQ_* macros.
 //
 //   OVQ_ARCH_AVX512 / OVQ_ARCH_AVX2 / OVQ_ARCH_NEON   what the host compiler targets
+//   OVQ_ARCH_AVX512BF16                               AVX-512 with bf16 dot products (x86)
 //   OVQ_ARCH_F16C                                     half-float conversions (x86)
 //   OVQ_DONT_VECTORIZE                                define to force the portable kernels
 //   OVQ_HOST_DEVICE                                   marks math shared by host and CUDA code
@@ -22,6 +23,9 @@
 #if !defined(OVQ_DONT_VECTORIZE) && !defined(OVQ_DEVICE_PASS)
 #if defined(__AVX512F__)
 #define OVQ_ARCH_AVX512 1
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define OVQ_ARCH_AVX512BF16 1
+#endif
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
 #define OVQ_ARCH_AVX2 1

@@ -8,6 +8,9 @@
 // logic, which an AVX2 CPU cannot otherwise execute (64-key tiles, 6-row score blocks of four
 // vectors, 4 x 4 P V blocks, tails of d mod 16 features), runs and is tested on every x86-64 CI
 // machine, and where the CPU has AVX-512 a test checks that it gives the hardware kernels' bits.
+#include <cmath>
+#include <cstring>
+
 #include "ovq/kernels/arch/tile_ops.hpp"
 
 #if defined(OVQ_ARCH_AVX2)
@@ -61,6 +64,50 @@ struct F32x16OnAvx2 {
     return {Half::load(p), Half::load_first(p + 8, n - 8)};
   }
   static __m256 fold_to_8(reg a) { return Half::add(a.lo, a.hi); }
+  // 16-bit elements, widened as F32x16 widens them.
+  static reg load(const bf16* p) { return {Half::load(p), Half::load(p + 8)}; }
+  static reg load(const fp16* p) { return {Half::load(p), Half::load(p + 8)}; }
+  template <class H>
+  static reg load_first(const H* p, Index n) {
+    return load(kernels::simd::first_of<H, 16>(p, n).data);
+  }
+};
+
+// vdpbf16ps (AVX512-BF16) in software, for CPUs without it: lane l of acc += q[2l+1] k[2l+1],
+// then += q[2l] k[2l], each a product of two bf16 (exact in float) added with one rounding.
+// (Denormal bf16 inputs and results, flushed to zero by the instruction, are not emulated: ovq's
+// inputs never come near 1e-38.)
+struct EmulatedBf16PairDot {
+  static constexpr Index kStep = 32;
+  struct Operand {
+    bf16 x[32];
+  };
+  static Operand load(const bf16* p) {
+    Operand o;
+    std::memcpy(o.x, p, sizeof o.x);
+    return o;
+  }
+  static Operand load_first(const bf16* p, Index n) {
+    Operand o;
+    std::memset(o.x, 0, sizeof o.x);
+    std::memcpy(o.x, p, static_cast<std::size_t>(n) * sizeof(bf16));
+    return o;
+  }
+  static F32x16OnAvx2::reg madd(const Operand& q, const Operand& k, F32x16OnAvx2::reg acc) {
+    alignas(32) float lanes[16];
+    F32x16OnAvx2::store(lanes, acc);
+    for (int l = 0; l < 16; ++l) {
+      lanes[l] = std::fma(widen(q.x[2 * l + 1]), widen(k.x[2 * l + 1]), lanes[l]);
+      lanes[l] = std::fma(widen(q.x[2 * l]), widen(k.x[2 * l]), lanes[l]);
+    }
+    return F32x16OnAvx2::load(lanes);
+  }
+};
+
+// Architecture tag: AVX512-BF16's kernels, emulated (bf16 scores by EmulatedBf16PairDot; every
+// other element as emulated_avx512).
+struct emulated_avx512bf16 {
+  static constexpr const char* kName = "avx512bf16-emulated";
 };
 
 }  // namespace ovq::test
@@ -70,6 +117,15 @@ template <>
 struct TileOps<float, test::emulated_avx512> : simd::SimdTileOps<test::F32x16OnAvx2> {};
 template <>
 struct TileOps<double, test::emulated_avx512> : TileOps<double, arch::scalar> {};
+template <>
+struct TileOps<bf16, test::emulated_avx512> : simd::SimdTileOps<test::F32x16OnAvx2, bf16> {};
+template <>
+struct TileOps<fp16, test::emulated_avx512> : simd::SimdTileOps<test::F32x16OnAvx2, fp16> {};
+template <class Element>
+struct TileOps<Element, test::emulated_avx512bf16> : TileOps<Element, test::emulated_avx512> {};
+template <>
+struct TileOps<bf16, test::emulated_avx512bf16>
+    : simd::SimdTileOps<test::F32x16OnAvx2, bf16, test::EmulatedBf16PairDot> {};
 }  // namespace ovq::kernels
 
 #endif

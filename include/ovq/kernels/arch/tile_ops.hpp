@@ -384,9 +384,39 @@ typename V::reg exp_nonpositive(typename V::reg x) {
   return V::zero_below(x, -87.3f, V::mul(p, V::pow2(n)));
 }
 
+// How a score's lanes accumulate over the features. FmaDot: W features a step, one fused
+// multiply-add each, on the elements widened to float (every element type). Bf16PairDot
+// (AVX512-BF16, bf16 only): 2W features a step, lane l taking the pair (2l, 2l + 1) of each step
+// by one vdpbf16ps (both products exact in float, added to the lane in turn, odd element
+// first), twice the rate of FmaDot.
+template <class V, class E>
+struct FmaDot {
+  static constexpr Index kStep = V::kWidth;
+  using Operand = typename V::reg;
+  static Operand load(const E* p) { return V::load(p); }
+  static Operand load_first(const E* p, Index n) { return V::load_first(p, n); }
+  static typename V::reg madd(Operand q, Operand k, typename V::reg acc) {
+    return V::fmadd(q, k, acc);
+  }
+};
+
+#if defined(OVQ_ARCH_AVX512BF16)
+struct Bf16PairDot {
+  static constexpr Index kStep = 32;
+  using Operand = __m512bh;
+  static Operand load(const bf16* p) {
+    return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p));
+  }
+  static Operand load_first(const bf16* p, Index n) {
+    return (__m512bh)_mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << n) - 1ull), p);
+  }
+  static __m512 madd(Operand q, Operand k, __m512 acc) { return _mm512_dpbf16_ps(acc, q, k); }
+};
+#endif
+
 // E: the element of Q, K and V (float, or a 16-bit type widened to float as it is loaded: the
-// same float computation on the widened values).
-template <class V, class E = float>
+// same float computation on the widened values); Dot: how scores accumulate (above).
+template <class V, class E = float, class Dot = FmaDot<V, E>>
 struct SimdTileOps {
   using Compute = float;
   static constexpr Index W = V::kWidth;
@@ -425,9 +455,9 @@ struct SimdTileOps {
   static constexpr int kScoreRows = W == 16 ? 6 : 2;
 
   // The R C partial dot products of R query rows x C keys, W lanes each: lane l of product
-  // r C + c sums q_r[k] K[c][k] over the features k = l (mod W), in order (fused). Cost 2 R C d
-  // flops. Returned by value: the accumulators are locals that nothing the loop reads can
-  // alias, so they stay in registers even where this is not inlined.
+  // r C + c sums q_r[k] K[c][k] over its features of each step of Dot::kStep (FmaDot: k = l
+  // mod W), in order. Cost 2 R C d flops. Returned by value: the accumulators are locals that
+  // nothing the loop reads can alias, so they stay in registers even where this is not inlined.
   template <int N>
   struct Products {
     reg at[N];
@@ -443,27 +473,28 @@ struct SimdTileOps {
     reg* acc = products.at;
     OVQ_UNROLL
     for (int a = 0; a < R * C; ++a) acc[a] = V::zero();
-    const Index d_main = d - d % W;
-    for (Index k = 0; k < d_main; k += W) {
-      reg kv[C];
+    constexpr Index kStep = Dot::kStep;
+    const Index d_main = d - d % kStep;
+    for (Index k = 0; k < d_main; k += kStep) {
+      typename Dot::Operand kv[C];
       OVQ_UNROLL
-      for (int c = 0; c < C; ++c) kv[c] = V::load(key[c] + k);
+      for (int c = 0; c < C; ++c) kv[c] = Dot::load(key[c] + k);
       OVQ_UNROLL
       for (int r = 0; r < R; ++r) {
-        const reg qv = V::load(q + r * q_stride + k);
+        const typename Dot::Operand qv = Dot::load(q + r * q_stride + k);
         OVQ_UNROLL
-        for (int c = 0; c < C; ++c) acc[r * C + c] = V::fmadd(qv, kv[c], acc[r * C + c]);
+        for (int c = 0; c < C; ++c) acc[r * C + c] = Dot::madd(qv, kv[c], acc[r * C + c]);
       }
     }
-    if (d_main < d) {  // the last d % W features, zeros above: adds exact zeros to lanes
-      reg kv[C];
+    if (d_main < d) {  // the last d % kStep features, zeros above: adds exact zeros to lanes
+      typename Dot::Operand kv[C];
       OVQ_UNROLL
-      for (int c = 0; c < C; ++c) kv[c] = V::load_first(key[c] + d_main, d - d_main);
+      for (int c = 0; c < C; ++c) kv[c] = Dot::load_first(key[c] + d_main, d - d_main);
       OVQ_UNROLL
       for (int r = 0; r < R; ++r) {
-        const reg qv = V::load_first(q + r * q_stride + d_main, d - d_main);
+        const typename Dot::Operand qv = Dot::load_first(q + r * q_stride + d_main, d - d_main);
         OVQ_UNROLL
-        for (int c = 0; c < C; ++c) acc[r * C + c] = V::fmadd(qv, kv[c], acc[r * C + c]);
+        for (int c = 0; c < C; ++c) acc[r * C + c] = Dot::madd(qv, kv[c], acc[r * C + c]);
       }
     }
     return products;
@@ -703,6 +734,14 @@ template <>
 struct TileOps<bf16, arch::avx512> : simd::SimdTileOps<simd::F32x16, bf16> {};
 template <>
 struct TileOps<fp16, arch::avx512> : simd::SimdTileOps<simd::F32x16, fp16> {};
+// AVX512-BF16: bf16 scores by pair dot products; everything else as on AVX-512.
+template <class Element>
+struct TileOps<Element, arch::avx512bf16> : TileOps<Element, arch::avx512> {};
+#if defined(OVQ_ARCH_AVX512BF16)
+template <>
+struct TileOps<bf16, arch::avx512bf16>
+    : simd::SimdTileOps<simd::F32x16, bf16, simd::Bf16PairDot> {};
+#endif
 #endif
 #if defined(OVQ_ARCH_AVX2)
 template <>
