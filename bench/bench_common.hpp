@@ -201,27 +201,39 @@ inline void fill_rows(Eigen::Ref<Matrix> m, std::uint64_t seed, bool unit_rows) 
   }
 }
 
+template <class Element = float>
 struct Inputs {
-  Matrix q;  // (Hq T) x d
-  Matrix k;  // (Hkv T) x d
-  Matrix v;  // (Hkv T) x d
+  ovq::RowMatrix<Element> q;  // (Hq T) x d
+  ovq::RowMatrix<Element> k;  // (Hkv T) x d
+  ovq::RowMatrix<Element> v;  // (Hkv T) x d
 };
 
-// Prefill inputs, generated outside any timed region. One set is kept at a time: consecutive
-// cases share shapes, and the largest set is about 1 GiB.
-inline const Inputs& prefill_inputs(Index tokens, Index hq, Index hkv, Index d) {
-  static std::unique_ptr<Inputs> cached;
+// A float matrix in another element type (to nearest).
+template <class Element>
+ovq::RowMatrix<Element> as_element(const Matrix& m) {
+  if constexpr (std::is_same_v<Element, float>) {
+    return m;
+  } else {
+    return m.unaryExpr([](float x) { return ovq::narrow<Element>(x); });
+  }
+}
+
+// Prefill inputs, generated outside any timed region (the same values for every element type,
+// rounded to it). One set is kept at a time per element type: consecutive cases share shapes,
+// and the largest set is about 1 GiB.
+template <class Element = float>
+inline const Inputs<Element>& prefill_inputs(Index tokens, Index hq, Index hkv, Index d) {
+  static std::unique_ptr<Inputs<Element>> cached;
   static std::vector<Index> cached_key;
   const std::vector<Index> key{tokens, hq, hkv, d};
   if (!cached || cached_key != key) {
     cached.reset();
-    cached = std::make_unique<Inputs>();
-    cached->q.resize(hq * tokens, d);
-    cached->k.resize(hkv * tokens, d);
-    cached->v.resize(hkv * tokens, d);
-    fill_rows(cached->q, mix_seed(1, static_cast<std::uint64_t>(tokens), 1), true);
-    fill_rows(cached->k, mix_seed(1, static_cast<std::uint64_t>(tokens), 2), true);
-    fill_rows(cached->v, mix_seed(1, static_cast<std::uint64_t>(tokens), 3), false);
+    Matrix q(hq * tokens, d), k(hkv * tokens, d), v(hkv * tokens, d);
+    fill_rows(q, mix_seed(1, static_cast<std::uint64_t>(tokens), 1), true);
+    fill_rows(k, mix_seed(1, static_cast<std::uint64_t>(tokens), 2), true);
+    fill_rows(v, mix_seed(1, static_cast<std::uint64_t>(tokens), 3), false);
+    cached = std::make_unique<Inputs<Element>>(
+        Inputs<Element>{as_element<Element>(q), as_element<Element>(k), as_element<Element>(v)});
     cached_key = key;
   }
   return *cached;
@@ -306,6 +318,157 @@ inline void BM_Peak_sgemm(benchmark::State& st) {
   st.counters["GFLOPS"] =
       benchmark::Counter(sgemm_flops() / 1e9, benchmark::Counter::kIsIterationInvariantRate);
   st.counters["n"] = static_cast<double>(kSgemmSize);
+  st.counters["threads"] = configured_threads();
+}
+
+// ---------------------------------------------------------------------------------------------
+// The machine's own ceilings, on this run's threads, in this process
+// ---------------------------------------------------------------------------------------------
+//
+//   BM_Peak_fma        fp32 fused multiply-adds, 16 independent chains of full vectors a thread
+//                      (more than the FMA pipes' latency times their throughput): the arithmetic
+//                      ceiling of every float kernel
+//   BM_Peak_bf16dot    AVX512-BF16 pair dot products (vdpbf16ps, 32 multiply-adds a vector) in
+//                      the same chains, where the CPU has them: the ceiling of bf16 scores
+//   BM_Peak_read       reading a buffer far larger than the caches (1 GiB), every thread its
+//                      share, summing it: the ceiling of a decode step, which streams its state
+// Like BM_Peak_sgemm, each runs first and last, and a case divides by the best so far on its
+// thread count (frac_peak, frac_bf16_peak, frac_bandwidth in report()).
+
+enum class Ceiling { fma, bf16dot, read };
+
+inline double& ceiling(Ceiling which) {
+  static std::map<std::pair<int, int>, double> rates;  // (ceiling, threads) -> GFLOPS or GB/s
+  return rates[{static_cast<int>(which), configured_threads()}];
+}
+
+#if defined(OVQ_ARCH_AVX512)
+using PeakVector = ovq::kernels::simd::F32x16;
+#elif defined(OVQ_ARCH_AVX2)
+using PeakVector = ovq::kernels::simd::F32x8;
+#endif
+
+// One thread's chains: 16 independent accumulators, `iterations` FMAs each. Returns the flops.
+inline double fma_chains(std::int64_t iterations, float* sink) {
+#if defined(OVQ_ARCH_AVX512) || defined(OVQ_ARCH_AVX2)
+  using V = PeakVector;
+  typename V::reg a[16];
+  for (int i = 0; i < 16; ++i) a[i] = V::set1(1.0f + 1e-3f * static_cast<float>(i));
+  const typename V::reg b = V::set1(0.9999999f), c = V::set1(1e-7f);
+  for (std::int64_t it = 0; it < iterations; ++it) {
+    OVQ_UNROLL
+    for (int i = 0; i < 16; ++i) a[i] = V::fmadd(a[i], b, c);
+  }
+  typename V::reg total = a[0];
+  for (int i = 1; i < 16; ++i) total = V::add(total, a[i]);
+  *sink = V::reduce_add(total);
+  return 2.0 * 16.0 * static_cast<double>(V::kWidth) * static_cast<double>(iterations);
+#else
+  float a[16];
+  for (int i = 0; i < 16; ++i) a[i] = 1.0f + 1e-3f * static_cast<float>(i);
+  for (std::int64_t it = 0; it < iterations; ++it)
+    for (int i = 0; i < 16; ++i) a[i] = std::fma(a[i], 0.9999999f, 1e-7f);
+  float total = 0;
+  for (float x : a) total += x;
+  *sink = total;
+  return 2.0 * 16.0 * static_cast<double>(iterations);
+#endif
+}
+
+#if defined(OVQ_ARCH_AVX512BF16)
+inline double bf16dot_chains(std::int64_t iterations, float* sink) {
+  __m512 a[16];
+  for (int i = 0; i < 16; ++i) a[i] = _mm512_set1_ps(1.0f + 1e-3f * static_cast<float>(i));
+  const __m512bh x = (__m512bh)_mm512_set1_epi16(0x3f80);  // 1.0 in bf16
+  const __m512bh y = (__m512bh)_mm512_set1_epi16(0x3380);  // 2^-24 in bf16
+  for (std::int64_t it = 0; it < iterations; ++it) {
+    OVQ_UNROLL
+    for (int i = 0; i < 16; ++i) a[i] = _mm512_dpbf16_ps(a[i], x, y);
+  }
+  __m512 total = a[0];
+  for (int i = 1; i < 16; ++i) total = _mm512_add_ps(total, a[i]);
+  *sink = _mm512_reduce_add_ps(total);
+  return 2.0 * 16.0 * 32.0 * static_cast<double>(iterations);
+}
+#endif
+
+// Runs `chains` on every thread at once; returns the flops of all of them.
+template <class Chains>
+double run_on_threads(Chains chains, std::int64_t iterations) {
+  double flops = 0.0;
+  float sink = 0.0f;
+#if defined(OVQ_HAS_OPENMP)
+#pragma omp parallel num_threads(configured_threads()) reduction(+ : flops)
+  {
+    float mine = 0.0f;
+    flops += chains(iterations, &mine);
+#pragma omp critical(ovq_bench_sink)
+    sink += mine;
+  }
+#else
+  flops = chains(iterations, &sink);
+#endif
+  benchmark::DoNotOptimize(sink);
+  return flops;
+}
+
+template <class Chains>
+void peak_flops_case(benchmark::State& st, Chains chains, Ceiling which) {
+  constexpr std::int64_t kIterations = std::int64_t(1) << 22;
+  run_on_threads(chains, kIterations / 16);  // warm-up: the thread team started
+  double flops = 0.0;
+  const Clock::time_point t0 = Clock::now();
+  for (auto _ : st) flops += run_on_threads(chains, kIterations);
+  const double seconds = seconds_since(t0);
+  if (seconds > 0.0) ceiling(which) = std::max(ceiling(which), flops / seconds / 1e9);
+  st.counters["GFLOPS"] = benchmark::Counter(flops / 1e9, benchmark::Counter::kIsRate);
+  st.counters["threads"] = configured_threads();
+}
+
+inline void BM_Peak_fma(benchmark::State& st) { peak_flops_case(st, fma_chains, Ceiling::fma); }
+
+#if defined(OVQ_ARCH_AVX512BF16)
+inline void BM_Peak_bf16dot(benchmark::State& st) {
+  peak_flops_case(st, bf16dot_chains, Ceiling::bf16dot);
+}
+#endif
+
+// 1 GiB of floats, touched before timing; every thread sums its contiguous share.
+inline void BM_Peak_read(benchmark::State& st) {
+  static std::vector<float> buffer(std::size_t(1) << 28, 1.0f);
+  const Index n = static_cast<Index>(buffer.size());
+  auto read_all = [&] {
+    double total = 0.0;
+#if defined(OVQ_HAS_OPENMP)
+#pragma omp parallel for num_threads(configured_threads()) schedule(static) reduction(+ : total)
+#endif
+    for (Index block = 0; block < 64; ++block) {
+      const float* p = buffer.data() + block * (n / 64);
+#if defined(OVQ_ARCH_AVX512) || defined(OVQ_ARCH_AVX2)
+      using V = PeakVector;
+      typename V::reg acc[8];
+      for (auto& a : acc) a = V::zero();
+      for (Index i = 0; i < n / 64; i += 8 * V::kWidth)
+        for (int u = 0; u < 8; ++u) acc[u] = V::add(acc[u], V::load(p + i + u * V::kWidth));
+      for (int u = 1; u < 8; ++u) acc[0] = V::add(acc[0], acc[u]);
+      total += V::reduce_add(acc[0]);
+#else
+      float s = 0.0f;
+      for (Index i = 0; i < n / 64; ++i) s += p[i];
+      total += s;
+#endif
+    }
+    benchmark::DoNotOptimize(total);
+  };
+  read_all();  // warm-up
+  const Clock::time_point t0 = Clock::now();
+  for (auto _ : st) read_all();
+  const double seconds = seconds_since(t0);
+  const double bytes = static_cast<double>(st.iterations()) * static_cast<double>(n) * sizeof(float);
+  if (seconds > 0.0) ceiling(Ceiling::read) = std::max(ceiling(Ceiling::read), bytes / seconds / 1e9);
+  st.counters["GBps"] =
+      benchmark::Counter(static_cast<double>(n) * sizeof(float) / 1e9,
+                         benchmark::Counter::kIsIterationInvariantRate);
   st.counters["threads"] = configured_threads();
 }
 
@@ -435,18 +598,41 @@ inline Index ovq_size_after(const ovq::OvqOptions& opt, std::int64_t tokens) {
 // Counters and names
 // ---------------------------------------------------------------------------------------------
 
+// read_bytes: what an iteration must read from memory (decode: the state), or < 0 (prefill).
+// bf16_scores: the case's scores run on bf16 pair dot products (frac_bf16_peak).
 inline void report(benchmark::State& st, double flops_per_iteration, double state_bytes,
-                   double tokens_per_iteration) {
+                   double tokens_per_iteration, double read_bytes = -1.0,
+                   bool bf16_scores = false) {
   using benchmark::Counter;
   const double ref = reference_gflops();
   st.counters["GFLOPS"] = Counter(flops_per_iteration / 1e9, Counter::kIsIterationInvariantRate);
   st.counters["frac_sgemm"] =
       Counter(flops_per_iteration / 1e9 / ref, Counter::kIsIterationInvariantRate);
   st.counters["sgemm_GFLOPS"] = ref;
+  if (read_bytes < 0.0 && ceiling(Ceiling::fma) > 0.0)
+    st.counters["frac_peak"] = Counter(flops_per_iteration / 1e9 / ceiling(Ceiling::fma),
+                                       Counter::kIsIterationInvariantRate);
+  if (read_bytes < 0.0 && bf16_scores && ceiling(Ceiling::bf16dot) > 0.0)
+    st.counters["frac_bf16_peak"] = Counter(flops_per_iteration / 1e9 / ceiling(Ceiling::bf16dot),
+                                            Counter::kIsIterationInvariantRate);
+  if (read_bytes >= 0.0) {
+    st.counters["read_GBps"] = Counter(read_bytes / 1e9, Counter::kIsIterationInvariantRate);
+    if (ceiling(Ceiling::read) > 0.0)
+      st.counters["frac_bandwidth"] = Counter(read_bytes / 1e9 / ceiling(Ceiling::read),
+                                              Counter::kIsIterationInvariantRate);
+  }
   st.counters["tokens_per_s"] = Counter(tokens_per_iteration, Counter::kIsIterationInvariantRate);
   if (state_bytes >= 0.0)
     st.counters["bytes_state"] = Counter(state_bytes, Counter::kDefaults, Counter::kIs1024);
   st.counters["threads"] = configured_threads();
+}
+
+// "/elem:bf16" or "/elem:fp16" for the 16-bit cases ("" for float, whose names predate them).
+template <class Element>
+std::string element_arg() {
+  if constexpr (std::is_same_v<Element, ovq::bf16>) return "/elem:bf16";
+  if constexpr (std::is_same_v<Element, ovq::fp16>) return "/elem:fp16";
+  return "";
 }
 
 inline std::string heads_arg(Index hq, Index hkv) {
@@ -509,15 +695,23 @@ inline constexpr double kWarmUpFlops = 100e9;
 // self-attention cache at T = 4096 on 8 heads is 32 MB; faulting in 32 MB took 21 to 28 ms on
 // this VM). Longer cases are timed from their first call: there that cost is a small share of
 // the call.
+// Whether the native kernels score Element by bf16 pair dot products.
+template <class Element>
+constexpr bool bf16_scores() {
+  return std::is_same_v<Element, ovq::bf16> &&
+         std::is_same_v<ovq::arch::native, ovq::arch::avx512bf16>;
+}
+
 template <class Mixer>
 void run_prefill(benchmark::State& st, ovq::MultiHead<Mixer>& layer, Index tokens,
                  double flops_per_iteration,
                  const std::vector<typename Mixer::State>* start = nullptr) {
+  using Element = typename Mixer::scalar_type;
   const Index hq = layer.query_heads();
   const Index hkv = layer.kv_heads();
   const Index d = layer.key_dim();
-  const Inputs& in = prefill_inputs(tokens, hq, hkv, d);
-  Matrix o = Matrix::Zero(hq * tokens, layer.value_dim());
+  const Inputs<Element>& in = prefill_inputs<Element>(tokens, hq, hkv, d);
+  ovq::RowMatrix<Element> o = ovq::RowMatrix<Element>::Zero(hq * tokens, layer.value_dim());
   layer.set_threads(configured_threads());
   auto restart = [&] {
     if (start != nullptr) {
@@ -538,7 +732,8 @@ void run_prefill(benchmark::State& st, ovq::MultiHead<Mixer>& layer, Index token
     benchmark::DoNotOptimize(o.data());
     benchmark::ClobberMemory();
   }
-  report(st, flops_per_iteration, static_cast<double>(layer.bytes()), static_cast<double>(tokens));
+  report(st, flops_per_iteration, static_cast<double>(layer.bytes()), static_cast<double>(tokens),
+         -1.0, bf16_scores<Element>());
 }
 
 inline constexpr Index kContextBlock = 1024;
@@ -577,7 +772,8 @@ const ovq::MultiHead<Mixer>& absorbed_context(const std::string& key, Index ctx,
       fill_rows(k.middleRows(h * len, len), mix_seed(7, block, 2 * h), true);
       fill_rows(v.middleRows(h * len, len), mix_seed(7, block, 2 * h + 1), false);
     }
-    layer->absorb(k.topRows(hkv * len), v.topRows(hkv * len));
+    using Element = typename Mixer::scalar_type;
+    layer->absorb(as_element<Element>(k.topRows(hkv * len)), as_element<Element>(v.topRows(hkv * len)));
   }
   return *cache.emplace(std::make_pair(key, ctx), std::move(layer)).first->second;
 }
@@ -587,20 +783,25 @@ const ovq::MultiHead<Mixer>& absorbed_context(const std::string& key, Index ctx,
 // (untimed), so the context stays within restore_every tokens of ctx: that matters for
 // self-attention, whose cache grows by a row per step; restore_every <= 0 never restores
 // (fixed-size states). Tokens cycle through a pool made before the timed loop.
+// read_bytes_per_step: what a step must read from memory (its state), for frac_bandwidth.
 template <class Mixer>
 void run_decode(benchmark::State& st, const Mixer& mixer, const ovq::MultiHead<Mixer>& context,
-                Index hq, Index restore_every, double flops_per_step) {
+                Index hq, Index restore_every, double flops_per_step,
+                double read_bytes_per_step = 0.0) {
+  using Element = typename Mixer::scalar_type;
   ovq::MultiHead<Mixer> layer(mixer, 1, hq, context.states());
   layer.set_threads(configured_threads());
   const Index hkv = layer.kv_heads();
   const Index dk = layer.key_dim();
   const Index dv = layer.value_dim();
   constexpr Index kPool = 64;
-  Matrix q(kPool * hq, dk), k(kPool * hkv, dk), v(kPool * hkv, dv);
-  fill_rows(q, mix_seed(9, 1), true);
-  fill_rows(k, mix_seed(9, 2), true);
-  fill_rows(v, mix_seed(9, 3), false);
-  Matrix o = Matrix::Zero(hq, dv);
+  Matrix qf(kPool * hq, dk), kf(kPool * hkv, dk), vf(kPool * hkv, dv);
+  fill_rows(qf, mix_seed(9, 1), true);
+  fill_rows(kf, mix_seed(9, 2), true);
+  fill_rows(vf, mix_seed(9, 3), false);
+  const ovq::RowMatrix<Element> q = as_element<Element>(qf), k = as_element<Element>(kf),
+                                v = as_element<Element>(vf);
+  ovq::RowMatrix<Element> o = ovq::RowMatrix<Element>::Zero(hq, dv);
   Index since_restore = 0;
   Index j = 0;
   for (auto _ : st) {
@@ -616,7 +817,7 @@ void run_decode(benchmark::State& st, const Mixer& mixer, const ovq::MultiHead<M
     ++since_restore;
     j = (j + 1) % kPool;
   }
-  report(st, flops_per_step, static_cast<double>(layer.bytes()), 1.0);
+  report(st, flops_per_step, static_cast<double>(layer.bytes()), 1.0, read_bytes_per_step);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -642,7 +843,9 @@ inline int run_main(int argc, char** argv, const std::function<void()>& register
 #else
   benchmark::AddCustomContext("ovq_openmp", "no");
 #endif
-#if defined(OVQ_ARCH_AVX512)
+#if defined(OVQ_ARCH_AVX512BF16)
+  benchmark::AddCustomContext("ovq_arch", "avx512bf16");
+#elif defined(OVQ_ARCH_AVX512)
   benchmark::AddCustomContext("ovq_arch", "avx512");
 #elif defined(OVQ_ARCH_AVX2)
   benchmark::AddCustomContext("ovq_arch", "avx2");
@@ -652,8 +855,13 @@ inline int run_main(int argc, char** argv, const std::function<void()>& register
   benchmark::AddCustomContext("ovq_arch", "portable");
 #endif
   benchmark::AddCustomContext("eigen_simd", Eigen::SimdInstructionSetsInUse());
-  // First, so that every later case divides by this run's own rate.
+  // First, so that every later case divides by this run's own rates.
   add_case("BM_Peak_sgemm", BM_Peak_sgemm);
+  add_case("BM_Peak_fma", BM_Peak_fma);
+#if defined(OVQ_ARCH_AVX512BF16)
+  add_case("BM_Peak_bf16dot", BM_Peak_bf16dot);
+#endif
+  add_case("BM_Peak_read", BM_Peak_read);
   register_cases();
   // Last, so that the process's reference is the best of a measurement before its cases and one
   // after them: a binary that measured its first sgemm while another tenant held the cores (its
@@ -661,6 +869,11 @@ inline int run_main(int argc, char** argv, const std::function<void()>& register
   // reference alone. The in-process counters divide by the best rate so far; the report divides
   // every case by the best of both (scripts/lib/plot_bench.py).
   add_case("BM_Peak_sgemm/at:end", BM_Peak_sgemm);
+  add_case("BM_Peak_fma/at:end", BM_Peak_fma);
+#if defined(OVQ_ARCH_AVX512BF16)
+  add_case("BM_Peak_bf16dot/at:end", BM_Peak_bf16dot);
+#endif
+  add_case("BM_Peak_read/at:end", BM_Peak_read);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

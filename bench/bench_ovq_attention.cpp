@@ -74,14 +74,15 @@ ovq::OvqOptions filling(const ovq::OvqOptions& opt) {
 
 // kv-head states after a context of ctx tokens written by the filling mixer (cached, extended in
 // place by a longer context of the same key). Throws if the dictionary is not full.
-const ovq::MultiHead<Mixer>& full_context(const ovq::OvqOptions& opt, Index ctx, Index d,
-                                          Index hkv) {
-  const Mixer fill(filling(opt));
-  const auto& context = absorbed_context<Mixer>(
+template <class M = Mixer>
+const ovq::MultiHead<M>& full_context(const ovq::OvqOptions& opt, Index ctx, Index d,
+                                      Index hkv) {
+  const M fill(filling(opt));
+  const auto& context = absorbed_context<M>(
       "ovq-full/N:" + std::to_string(opt.capacity) + "/L:" + std::to_string(opt.chunk) +
           "/d:" + std::to_string(d) + "/Hkv:" + std::to_string(hkv),
-      ctx, [&] { return ovq::MultiHead<Mixer>(fill, 1, hkv, hkv, d, d); });
-  for (const Mixer::State& s : context.states()) {
+      ctx, [&] { return ovq::MultiHead<M>(fill, 1, hkv, hkv, d, d); });
+  for (const typename M::State& s : context.states()) {
     if (s.dictionary().size() != opt.capacity || s.tokens() != ctx) {
       throw std::runtime_error("warm-up context: dictionary " +
                                std::to_string(s.dictionary().size()) + " of " +
@@ -127,20 +128,25 @@ void decode_case(Index ctx, Index capacity, Index d, Index hq, Index hkv) {
 }
 
 // Decode at context ctx with the dictionary at capacity (the context written by the filling
-// mixer, t = ctx).
+// mixer, t = ctx). A step reads the N dictionary rows of every kv head (the rows the reads see:
+// 16-bit ones for a 16-bit element).
+template <class Element = float>
 void decode_full_case(Index ctx, Index capacity, Index d, Index hq, Index hkv) {
+  using M = ovq::OvqAttention<Element>;
   constexpr Index kChunk = 128;
   const std::string name =
-      case_name("BM_OVQ_decode_full", {{"ctx", ctx}, {"N", capacity}, {"d", d}}, hq, hkv);
+      case_name("BM_OVQ_decode_full", {{"ctx", ctx}, {"N", capacity}, {"d", d}}, hq, hkv) +
+      element_arg<Element>();
   add_case(name, [=](benchmark::State& st) {
     const ovq::OvqOptions opt = options(capacity, kChunk);
-    const Mixer mixer(opt);
-    const auto& context = full_context(opt, ctx, d, hkv);
+    const M mixer(opt);
+    const auto& context = full_context<M>(opt, ctx, d, hkv);
     const Index restore = 2 * kChunk;
     const double per_step =
         flops::ovq_stream_full(opt, ctx, restore).total(d, d, hq, hkv) / restore;
-    run_decode(st, mixer, context, hq, restore, per_step);
-    note_dictionary(st, name, context.states().front(), capacity);
+    const double bytes = static_cast<double>(hkv * capacity * 2 * d) * sizeof(Element);
+    run_decode(st, mixer, context, hq, restore, per_step, bytes);
+    st.counters["n"] = static_cast<double>(context.states().front().dictionary().size());
   });
 }
 
@@ -169,6 +175,7 @@ void register_cases() {
     }
   }
   for (Index ctx : {4096, 65536}) decode_full_case(ctx, 2048, 128, 8, 8);
+  decode_full_case<ovq::bf16>(65536, 2048, 128, 8, 8);
 }
 
 }  // namespace

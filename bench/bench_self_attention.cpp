@@ -5,6 +5,8 @@
 //   BM_SelfAttention_prefill/T:<T>/d:128/Hq:32/Hkv:8    grouped queries
 //   BM_SelfAttention_decode/ctx:<C>/d:128/H:8           C = 1k ... 64k
 //   BM_SelfAttention_decode/ctx:<C>/d:128/Hq:32/Hkv:8
+//   .../elem:bf16, .../elem:fp16                        16-bit inputs and cache: prefill T = 4096
+//                                                       d = 128 H = 8, decode C = 4k and 64k
 //
 // Prefill is quadratic: T = 65536 at 8 heads needs 2 * 65536^2 / 2 * 256 * 8 = 4.4 TFLOP, so the
 // longest cases run 2 heads (one per core of a 2-core machine; compare per head and token).
@@ -15,18 +17,23 @@
 namespace {
 
 using namespace ovq_bench;
-using Mixer = ovq::SelfAttention<float>;
 
+template <class Element = float>
 void prefill_case(Index tokens, Index d, Index hq, Index hkv) {
-  add_case(case_name("BM_SelfAttention_prefill", {{"T", tokens}, {"d", d}}, hq, hkv),
+  using Mixer = ovq::SelfAttention<Element>;
+  add_case(case_name("BM_SelfAttention_prefill", {{"T", tokens}, {"d", d}}, hq, hkv) +
+               element_arg<Element>(),
            [=](benchmark::State& st) {
              ovq::MultiHead<Mixer> layer(Mixer{}, 1, hq, hkv, d, d);
              run_prefill(st, layer, tokens, flops::self_prefill(tokens, d, d, hq));
            });
 }
 
+template <class Element = float>
 void decode_case(Index ctx, Index d, Index hq, Index hkv) {
-  add_case(case_name("BM_SelfAttention_decode", {{"ctx", ctx}, {"d", d}}, hq, hkv),
+  using Mixer = ovq::SelfAttention<Element>;
+  add_case(case_name("BM_SelfAttention_decode", {{"ctx", ctx}, {"d", d}}, hq, hkv) +
+               element_arg<Element>(),
            [=](benchmark::State& st) {
              const Mixer mixer{};
              const auto& context = absorbed_context<Mixer>(
@@ -35,7 +42,9 @@ void decode_case(Index ctx, Index d, Index hq, Index hkv) {
              const Index restore = std::max<Index>(32, ctx / 32);
              // The cache holds ctx ... ctx + restore - 1 rows: on average ctx + (restore - 1) / 2.
              const double rows = static_cast<double>(ctx) + static_cast<double>(restore - 1) / 2.0;
-             run_decode(st, mixer, context, hq, restore, flops::self_decode(rows, d, d, hq));
+             // A step reads every cached key and value once.
+             const double bytes = rows * static_cast<double>(hkv * 2 * d) * sizeof(Element);
+             run_decode(st, mixer, context, hq, restore, flops::self_decode(rows, d, d, hq), bytes);
            });
 }
 
@@ -48,6 +57,13 @@ void register_cases() {
   for (Index ctx : {1024, 4096, 16384, 65536}) {
     decode_case(ctx, 128, 8, 8);
     decode_case(ctx, 128, 32, 8);
+  }
+  prefill_case<ovq::bf16>(4096, 128, 8, 8);
+  prefill_case<ovq::fp16>(4096, 128, 8, 8);
+  for (Index ctx : {4096, 65536}) {
+    decode_case<ovq::bf16>(ctx, 128, 8, 8);
+    decode_case<ovq::fp16>(ctx, 128, 8, 8);
+    decode_case<ovq::bf16>(ctx, 128, 32, 8);
   }
 }
 

@@ -511,14 +511,12 @@ struct SimdTileOps {
     return _mm256_mul_ps(reduce8(folded), _mm256_set1_ps(beta));
   }
 
-  // Rows in blocks of 6 x 2 keys, then pairs in blocks of 2 x 4, a last odd row key by key
-  // (eight single products, then one reduce8): the same lanes and the same tree for every score,
-  // whatever its block. Six rows give 12 independent FMA chains (2 keys + 1 query row + 12
-  // accumulators fit AVX2's 16 registers), enough to fill both FMA pipes, where 8 chains leave
-  // them idle part of the time. A single row is a decode step streaming the keys from memory:
-  // reading them one after the other, in address order, is what the hardware prefetcher follows
-  // (eight keys read side by side, 512 bytes apart, streamed at 7-8 GB/s against 11-12 GB/s
-  // key by key here, keys in DRAM); the out-of-order core overlaps the independent chains.
+  // Rows in blocks of 6 x 2 keys, then 4 x 2, then pairs in blocks of 2 x 4, a last odd row key
+  // by key (eight single products, then one reduce8): the same lanes and the same tree for every
+  // score, whatever its block. Six rows give 12 independent FMA chains, enough to fill both FMA
+  // pipes (2 keys + 1 query row + 12 accumulators fit AVX2's 16 registers). A single row (a
+  // decode step, streaming its keys from memory) reads the keys one after the other, in address
+  // order, which is what the hardware prefetcher follows.
   // Cost: 2 bq kKeyTile d flops.
   template <class Pacing = NoPacing>
   static void scores_rows(const E* q, Index q_stride, Index bq, const E* const* keys,
@@ -540,6 +538,20 @@ struct SimdTileOps {
           _mm_storel_pi(reinterpret_cast<__m64*>(s + (i + r) * kKeyTile + c), row_pairs[r / 2]);
           _mm_storeh_pi(reinterpret_cast<__m64*>(s + (i + r + 1) * kKeyTile + c), row_pairs[r / 2]);
         }
+      }
+    }
+    // Four rows (a grouped-query decode step of 4 query heads): each key loaded once for all
+    // four, where two pairs would load it twice.
+    for (; i + 4 <= bq; i += 4) {
+      for (Index c = 0; c < kKeyTile; c += 2) {
+        pacing.advance(2 * 4 * 2 * d);
+        const auto acc = dot_products<4, 2>(q + i * q_stride, q_stride, keys + c, d);
+        const __m256 x = reduce_group(acc, 0, beta);  // rows i .. i + 3, keys c, c + 1
+        const __m128 lo = _mm256_castps256_ps128(x), hi = _mm256_extractf128_ps(x, 1);
+        _mm_storel_pi(reinterpret_cast<__m64*>(s + i * kKeyTile + c), lo);
+        _mm_storeh_pi(reinterpret_cast<__m64*>(s + (i + 1) * kKeyTile + c), lo);
+        _mm_storel_pi(reinterpret_cast<__m64*>(s + (i + 2) * kKeyTile + c), hi);
+        _mm_storeh_pi(reinterpret_cast<__m64*>(s + (i + 3) * kKeyTile + c), hi);
       }
     }
     for (; i + 2 <= bq; i += 2) {
