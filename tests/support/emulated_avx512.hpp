@@ -10,6 +10,7 @@
 // machine, and where the CPU has AVX-512 a test checks that it gives the hardware kernels' bits.
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "ovq/kernels/arch/tile_ops.hpp"
 
@@ -74,9 +75,17 @@ struct F32x16OnAvx2 {
 };
 
 // vdpbf16ps (AVX512-BF16) in software, for CPUs without it: lane l of acc += q[2l+1] k[2l+1],
-// then += q[2l] k[2l], each a product of two bf16 (exact in float) added with one rounding.
-// (Denormal bf16 inputs and results, flushed to zero by the instruction, are not emulated: ovq's
-// inputs never come near 1e-38.)
+// then += q[2l] k[2l], each a product of two bf16 (exact in float) added with one rounding;
+// denormal inputs count as 0 and denormal results become 0, as the instruction has it.
+inline float flush_denormal(float x) {
+  return std::abs(x) < std::numeric_limits<float>::min() ? std::copysign(0.0f, x) : x;
+}
+inline float dp_step(float acc, bf16 a, bf16 b) {
+  return flush_denormal(std::fma(flush_denormal(widen(a)), flush_denormal(widen(b)), acc));
+}
+// vcvtne2ps2bf16: to nearest even, denormals in and out flushed to 0.
+inline bf16 to_bf16_flushed(float x) { return narrow<bf16>(flush_denormal(x)); }
+
 struct EmulatedBf16PairDot {
   static constexpr Index kStep = 32;
   struct Operand {
@@ -97,10 +106,32 @@ struct EmulatedBf16PairDot {
     alignas(32) float lanes[16];
     F32x16OnAvx2::store(lanes, acc);
     for (int l = 0; l < 16; ++l) {
-      lanes[l] = std::fma(widen(q.x[2 * l + 1]), widen(k.x[2 * l + 1]), lanes[l]);
-      lanes[l] = std::fma(widen(q.x[2 * l]), widen(k.x[2 * l]), lanes[l]);
+      lanes[l] = dp_step(lanes[l], q.x[2 * l + 1], k.x[2 * l + 1]);
+      lanes[l] = dp_step(lanes[l], q.x[2 * l], k.x[2 * l]);
     }
     return F32x16OnAvx2::load(lanes);
+  }
+};
+
+// kernels::simd::Bf16PairValues in software: every output entry, pair after pair of the tile's
+// slots, acc += P[2m+1] V[2m+1] then += P[2m] V[2m], the weights rounded to bf16.
+struct EmulatedBf16PairValues {
+  static constexpr Index kTile = 64;
+  template <class Pacing>
+  static void accumulate_tile(const float* p, Index bq, const bf16* const* v, Index dv,
+                              float* acc, Index acc_stride, Pacing) {
+    for (Index i = 0; i < bq; ++i) {
+      bf16 w[kTile];
+      for (Index j = 0; j < kTile; ++j) w[j] = to_bf16_flushed(p[i * kTile + j]);
+      for (Index c = 0; c < dv; ++c) {
+        float a = acc[i * acc_stride + c];
+        for (Index m = 0; m < kTile / 2; ++m) {
+          a = dp_step(a, w[2 * m + 1], v[2 * m + 1][c]);
+          a = dp_step(a, w[2 * m], v[2 * m][c]);
+        }
+        acc[i * acc_stride + c] = a;
+      }
+    }
   }
 };
 
@@ -125,7 +156,11 @@ template <class Element>
 struct TileOps<Element, test::emulated_avx512bf16> : TileOps<Element, test::emulated_avx512> {};
 template <>
 struct TileOps<bf16, test::emulated_avx512bf16>
-    : simd::SimdTileOps<test::F32x16OnAvx2, bf16, test::EmulatedBf16PairDot> {};
+    : simd::SimdTileOps<test::F32x16OnAvx2, bf16, test::EmulatedBf16PairDot>,
+      test::EmulatedBf16PairValues {
+  static constexpr bool kPairedValues = true;
+  using test::EmulatedBf16PairValues::accumulate_tile;
+};
 }  // namespace ovq::kernels
 
 #endif

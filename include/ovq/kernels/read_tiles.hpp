@@ -55,6 +55,11 @@ struct KeyAxis : KeyAxisGeometry {
     if (slot < pad || slot >= end()) return nullptr;
     return slot < local_begin() ? memory.keys.row(slot - pad) : local.keys.row(slot - local_begin());
   }
+  const Element* value(Index slot) const {
+    if (slot < pad || slot >= end()) return nullptr;
+    return slot < local_begin() ? memory.values.row(slot - pad)
+                                : local.values.row(slot - local_begin());
+  }
 };
 
 // The key rows of tile `tile` (slots [tile kTile, tile kTile + kTile)). A slot past either end
@@ -69,6 +74,19 @@ void tile_keys(const KeyAxis<Element>& axis, Index tile, const Element* keys[kTi
   }
   for (Index j = 0; j < kTile; ++j)
     if (keys[j] == nullptr) keys[j] = any;
+}
+
+// The value rows of the same slots, for micro-kernels that take the whole tile at once
+// (TileOps::kPairedValues); an empty slot gets another value row of the tile (its weight is 0).
+template <class Element, Index kTile>
+void tile_values(const KeyAxis<Element>& axis, Index tile, const Element* values[kTile]) {
+  const Element* any = nullptr;
+  for (Index j = 0; j < kTile; ++j) {
+    values[j] = axis.value(tile * kTile + j);
+    if (any == nullptr) any = values[j];
+  }
+  for (Index j = 0; j < kTile; ++j)
+    if (values[j] == nullptr) values[j] = any;
 }
 
 // Per-thread tile state.
@@ -160,6 +178,13 @@ void fold_key_tile(const KeyAxis<Element>& axis, Index tile, Index p0, Index hea
     Ops::scale(row, kTile, inv);
     st.l = l_new;
     st.m = m_new;
+  }
+  if constexpr (Ops::kPairedValues) {  // P V over the whole tile at once, in slot pairs
+    const Element* values[kTile];
+    tile_values<Element, kTile>(axis, tile, values);
+    Ops::accumulate_tile(s, bq, values, dv, buf.acc.data(), dv, pacing);
+    if constexpr (kStream) pacing.stream->finish();
+    return;
   }
   // P V over the tile's memory slots, then its local slots (values live in two arrays; one
   // pass over j either way, so the split changes no sum).

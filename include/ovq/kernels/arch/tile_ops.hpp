@@ -92,6 +92,8 @@ template <class Element>
 struct TileOps<Element, arch::scalar> {
   using Compute = compute_t<Element>;
   static constexpr Index kKeyTile = 64;
+  // P V by accumulate() over each segment of a tile (see accumulate_tile below for the other way).
+  static constexpr bool kPairedValues = false;
 
   // Cost: 2 bq kKeyTile d flops.
   static void scores_packed(const Compute* q, Index q_stride, Index bq, const Compute* panel,
@@ -414,11 +416,170 @@ struct Bf16PairDot {
 };
 #endif
 
+#if defined(OVQ_ARCH_AVX512BF16)
+// P V of a whole key tile by pair dot products (AVX512-BF16, bf16 values): the weights rounded to
+// bf16, and for every output entry, pair after pair of the tile's slots (2m, 2m + 1), in order:
+// acc += P[2m+1] V[2m+1] then += P[2m] V[2m], one vdpbf16ps for 16 entries of up to four rows.
+// Pairs are the tile's slots, not its segments (memory rows, local rows), so a split that moves
+// with the cut of the stream changes no sum. Value pairs are interleaved into the layout
+// vdpbf16ps reads (pairs x 16 columns).
+// Shapes: p (bq x kTile), v[kTile] (dv entries each; an empty slot's weight is 0), acc (bq x dv).
+// Cost: 2 bq kTile dv flops at the pair rate, and kTile dv / 16 shuffles per call.
+struct Bf16PairValues {
+  static constexpr Index kTile = 64;
+  static constexpr Index kPairs = kTile / 2;
+
+  // Output lane l (32 bits): row 2m's column l in its low half, row 2m + 1's in its high half.
+  static __m512i interleave(const bf16* even, const bf16* odd, __mmask16 mask) {
+    alignas(64) static constexpr short kInterleave[32] = {
+        0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m256i e = _mm256_maskz_loadu_epi16(mask, even);
+    const __m256i o = _mm256_maskz_loadu_epi16(mask, odd);
+    return _mm512_permutexvar_epi16(_mm512_load_si512(kInterleave),
+                                    _mm512_inserti64x4(_mm512_castsi256_si512(e), o, 1));
+  }
+  static __mmask16 column_mask(Index dv, Index block) {
+    const Index cols = std::min<Index>(16, dv - 16 * block);
+    return static_cast<__mmask16>((1u << cols) - 1u);
+  }
+
+  // Up to kDirectRows rows (a decode step, grouped queries included) interleave each value pair
+  // in registers as they use it; more rows share one interleaved copy of the tile. The same
+  // instructions on the same operands in the same order either way: the same bits.
+  static constexpr Index kDirectRows = 8;
+  template <class Pacing>
+  static void accumulate_tile(const float* p, Index bq, const bf16* const* v, Index dv,
+                              float* acc, Index acc_stride, Pacing pacing) {
+    const Index blocks = (dv + 15) / 16;
+    thread_local AlignedVector<std::uint32_t> packed, weights;
+    weights.resize(static_cast<std::size_t>(bq * kPairs));
+    for (Index i = 0; i < bq; ++i) {
+      for (Index h = 0; h < 2; ++h) {
+        const float* row = p + i * kTile + 32 * h;
+        const __m512bh pairs =
+            _mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 16), _mm512_loadu_ps(row));
+        _mm512_storeu_si512(weights.data() + i * kPairs + 16 * h, (__m512i)pairs);
+      }
+    }
+    const std::uint32_t* w = weights.data();
+    if (bq <= kDirectRows) {
+      Index i = 0;
+      for (; i + 4 <= bq; i += 4)
+        rows_direct<4>(w + i * kPairs, v, blocks, dv, acc + i * acc_stride, acc_stride, pacing);
+      if (bq - i == 3) rows_direct<3>(w + i * kPairs, v, blocks, dv, acc + i * acc_stride, acc_stride, pacing);
+      if (bq - i == 2) rows_direct<2>(w + i * kPairs, v, blocks, dv, acc + i * acc_stride, acc_stride, pacing);
+      if (bq - i == 1) rows_direct<1>(w + i * kPairs, v, blocks, dv, acc + i * acc_stride, acc_stride, pacing);
+      return;
+    }
+    packed.resize(static_cast<std::size_t>(kPairs * blocks * 16));
+    for (Index m = 0; m < kPairs; ++m)
+      for (Index b = 0; b < blocks; ++b)
+        _mm512_store_si512(packed.data() + (m * blocks + b) * 16,
+                           interleave(v[2 * m] + 16 * b, v[2 * m + 1] + 16 * b, column_mask(dv, b)));
+    Index i = 0;
+    for (; i + 4 <= bq; i += 4)
+      rows<4>(w + i * kPairs, packed.data(), blocks, dv, acc + i * acc_stride, acc_stride, pacing);
+    for (; i + 2 <= bq; i += 2)
+      rows<2>(w + i * kPairs, packed.data(), blocks, dv, acc + i * acc_stride, acc_stride, pacing);
+    for (; i < bq; ++i)
+      rows<1>(w + i * kPairs, packed.data(), blocks, dv, acc + i * acc_stride, acc_stride, pacing);
+  }
+
+  // R <= 4 rows: column blocks in groups held in registers (up to 8, 4 for four rows), pair after
+  // pair, so that each value row is read whole, in address order (as a decode step streams it).
+  template <int R, class Pacing>
+  static void rows_direct(const std::uint32_t* w, const bf16* const* v, Index blocks, Index dv,
+                          float* acc, Index acc_stride, Pacing pacing) {
+    Index b = 0;
+    if constexpr (R < 4)
+      for (; b + 8 <= blocks; b += 8) direct<R, 8>(w, v, b, dv, acc, acc_stride, pacing);
+    for (; b + 4 <= blocks; b += 4) direct<R, 4>(w, v, b, dv, acc, acc_stride, pacing);
+    for (; b + 2 <= blocks; b += 2) direct<R, 2>(w, v, b, dv, acc, acc_stride, pacing);
+    for (; b < blocks; ++b) direct<R, 1>(w, v, b, dv, acc, acc_stride, pacing);
+  }
+
+  template <int R, int G, class Pacing>
+  static void direct(const std::uint32_t* w, const bf16* const* v, Index b0, Index dv,
+                     float* acc, Index acc_stride, Pacing pacing) {
+    __mmask16 mask[G];
+    __m512 a[R][G];
+    OVQ_UNROLL
+    for (int g = 0; g < G; ++g) {
+      mask[g] = column_mask(dv, b0 + g);
+      OVQ_UNROLL
+      for (int r = 0; r < R; ++r)
+        a[r][g] = _mm512_maskz_loadu_ps(mask[g], acc + r * acc_stride + 16 * (b0 + g));
+    }
+    for (Index m = 0; m < kPairs; ++m) {
+      if (m % 2 == 0) pacing.advance(2 * 2 * R * G * 16 * 2);
+      __m512bh weight[R];
+      OVQ_UNROLL
+      for (int r = 0; r < R; ++r)
+        weight[r] = (__m512bh)_mm512_set1_epi32(static_cast<int>(w[r * kPairs + m]));
+      OVQ_UNROLL
+      for (int g = 0; g < G; ++g) {
+        const Index col = 16 * (b0 + g);
+        const __m512i vv = interleave(v[2 * m] + col, v[2 * m + 1] + col, mask[g]);
+        OVQ_UNROLL
+        for (int r = 0; r < R; ++r) a[r][g] = _mm512_dpbf16_ps(a[r][g], weight[r], (__m512bh)vv);
+      }
+    }
+    OVQ_UNROLL
+    for (int g = 0; g < G; ++g)
+      OVQ_UNROLL
+      for (int r = 0; r < R; ++r)
+        _mm512_mask_storeu_ps(acc + r * acc_stride + 16 * (b0 + g), mask[g], a[r][g]);
+  }
+
+  // R rows x column blocks of 4 vectors (then single vectors): 16 accumulators at most.
+  template <int R, class Pacing>
+  static void rows(const std::uint32_t* w, const std::uint32_t* packed, Index blocks, Index dv,
+                   float* acc, Index acc_stride, Pacing pacing) {
+    Index b = 0;
+    for (; b + 4 <= blocks; b += 4) block<R, 4>(w, packed, blocks, b, dv, acc, acc_stride, pacing);
+    for (; b < blocks; ++b) block<R, 1>(w, packed, blocks, b, dv, acc, acc_stride, pacing);
+  }
+
+  template <int R, int C, class Pacing>
+  static void block(const std::uint32_t* w, const std::uint32_t* packed, Index blocks, Index b0,
+                    Index dv, float* acc, Index acc_stride, Pacing pacing) {
+    __mmask16 mask[C];
+    __m512 a[R][C];
+    OVQ_UNROLL
+    for (int c = 0; c < C; ++c) {
+      mask[c] = column_mask(dv, b0 + c);
+      OVQ_UNROLL
+      for (int r = 0; r < R; ++r)
+        a[r][c] = _mm512_maskz_loadu_ps(mask[c], acc + r * acc_stride + 16 * (b0 + c));
+    }
+    for (Index m = 0; m < kPairs; ++m) {
+      if (m % 2 == 0) pacing.advance(2 * 2 * R * C * 16 * 2);
+      __m512i vv[C];
+      OVQ_UNROLL
+      for (int c = 0; c < C; ++c) vv[c] = _mm512_load_si512(packed + (m * blocks + b0 + c) * 16);
+      OVQ_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const __m512bh weight = (__m512bh)_mm512_set1_epi32(static_cast<int>(w[r * kPairs + m]));
+        OVQ_UNROLL
+        for (int c = 0; c < C; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], weight, (__m512bh)vv[c]);
+      }
+    }
+    OVQ_UNROLL
+    for (int c = 0; c < C; ++c)
+      OVQ_UNROLL
+      for (int r = 0; r < R; ++r)
+        _mm512_mask_storeu_ps(acc + r * acc_stride + 16 * (b0 + c), mask[c], a[r][c]);
+  }
+};
+#endif
+
 // E: the element of Q, K and V (float, or a 16-bit type widened to float as it is loaded: the
 // same float computation on the widened values); Dot: how scores accumulate (above).
 template <class V, class E = float, class Dot = FmaDot<V, E>>
 struct SimdTileOps {
   using Compute = float;
+  static constexpr bool kPairedValues = false;
   static constexpr Index W = V::kWidth;
   static constexpr Index kKeyTile = 4 * W;  // one score row is 4 vectors
   using reg = typename V::reg;
@@ -752,7 +913,10 @@ struct TileOps<Element, arch::avx512bf16> : TileOps<Element, arch::avx512> {};
 #if defined(OVQ_ARCH_AVX512BF16)
 template <>
 struct TileOps<bf16, arch::avx512bf16>
-    : simd::SimdTileOps<simd::F32x16, bf16, simd::Bf16PairDot> {};
+    : simd::SimdTileOps<simd::F32x16, bf16, simd::Bf16PairDot>, simd::Bf16PairValues {
+  static constexpr bool kPairedValues = true;
+  using simd::Bf16PairValues::accumulate_tile;
+};
 #endif
 #endif
 #if defined(OVQ_ARCH_AVX2)
