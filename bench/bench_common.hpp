@@ -684,17 +684,6 @@ inline void add_case(const std::string& name, std::function<void(benchmark::Stat
 // Calls of at most this many FLOPs get one untimed warm-up call first (run_prefill).
 inline constexpr double kWarmUpFlops = 100e9;
 
-// Prefill: one forward over T tokens of every head per iteration, from empty states, or from a
-// copy of `start` (one state per kv head) when given. The reset or copy is untimed; inputs and
-// outputs exist (and are touched) before the timed loop.
-//
-// A call of at most kWarmUpFlops (VQ's 53 GFLOP call took 1.0 to 1.4 s on one thread here) is
-// made once, untimed, before the timed loop, so that every timed call is a steady-state call:
-// states' memory already mapped, the thread team started. Such a case often times one or two
-// calls only, and a process's first call also pays for faulting in fresh memory (a
-// self-attention cache at T = 4096 on 8 heads is 32 MB; faulting in 32 MB took 21 to 28 ms on
-// this VM). Longer cases are timed from their first call: there that cost is a small share of
-// the call.
 // Whether the native kernels score Element by bf16 pair dot products.
 template <class Element>
 constexpr bool bf16_scores() {
@@ -702,6 +691,13 @@ constexpr bool bf16_scores() {
          std::is_same_v<ovq::arch::native, ovq::arch::avx512bf16>;
 }
 
+// Prefill: one forward over T tokens of every head per iteration, from empty states, or from a
+// copy of `start` (one state per kv head) when given. The reset or copy is untimed; inputs and
+// outputs exist (and are touched) before the timed loop.
+//
+// A call of at most kWarmUpFlops is made once, untimed, before the timed loop: such a case may
+// time only one or two calls, and a process's first call also faults in its fresh state memory.
+// Longer cases are timed from their first call, where that cost is a small share.
 template <class Mixer>
 void run_prefill(benchmark::State& st, ovq::MultiHead<Mixer>& layer, Index tokens,
                  double flops_per_iteration,

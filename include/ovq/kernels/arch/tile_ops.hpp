@@ -845,8 +845,7 @@ struct SimdTileOps {
   // read once, from memory): the keys go in short runs, every column of a run done before the
   // next. Column block by column block over the whole tile would read the rows in slices (256
   // bytes of every 512 on AVX2 at dv = 128), which the hardware prefetcher follows badly. Each
-  // column is still one chain over the keys in order: the same bits. Pairs measured no faster
-  // with runs.
+  // column is still one chain over the keys in order: the same bits.
   static constexpr Index kDecodeRun = 4;
 
   template <int R, class Pacing>
