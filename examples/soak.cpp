@@ -1,11 +1,12 @@
-// soak: streams a long synthetic sequence through OVQ-attention in float and in double, side by
-// side, and checks the invariants of the state as it goes.
+// soak: streams a long synthetic sequence through OVQ-attention in float (or bf16, fp16) and in
+// double, side by side, and checks the invariants of the state as it goes.
 //
 //   soak [--tokens N] [--dk D] [--dv D] [--capacity N] [--chunk L] [--beta B]
-//        [--check-every M] [--bound X] [--seed S]
+//        [--check-every M] [--bound X] [--storage f32|bf16|f16] [--rows-bound X] [--seed S]
 //
 // The stream is generated on the fly, in double, from a seeded generator, and the float run sees
-// the same numbers rounded to float. Keys are unit vectors around a fixed set of cluster centres
+// the same numbers rounded to float. With --storage bf16 or f16 both runs see them rounded to
+// that type (exactly representable in double), so that the two differ by their arithmetic only. Keys are unit vectors around a fixed set of cluster centres
 // (plus a share of uniformly random "novel" keys); values follow their key's cluster. Most of
 // the stream goes through absorb(); every M tokens (default 10^6) a block of L queries goes
 // through forward() instead, and the checks run:
@@ -36,6 +37,16 @@
 //     1e-3 keeps a margin of 3 over 10^8 tokens, and is still orders of magnitude below what a
 //     real fault does (a lost count, a centroid left behind or a NaN moves a read by O(1)).
 //     Longer streams may need a looser bound; the soak prints the trend.
+//   - 16-bit storage (--storage bf16 or f16): the running means stay in float and only the
+//     reads' rows are 16-bit, republished from them. The probe distance above is evaluated on
+//     the float means, so it measures their drift with the float run's bound: were they kept in
+//     16 bits, a mean whose count is in the hundreds would stop moving (its increments
+//     (k - D) / c are below half an ulp of D) and the distance would grow with the stream. The
+//     16-bit rows must equal the means rounded to 16 bits, bit for bit, and the reads from them
+//     (rows probe) and the outputs must stay within --rows-bound, by default 8 beta u (u the
+//     type's unit roundoff: 2^-9 for bf16, 2^-12 for fp16; the scores' error is at most about
+//     beta u per unit key and query, the values' u, and the rounding of inputs and outputs adds
+//     a few u more).
 //     The row-by-row distance max_r |D_f[r] - D_d[r]| / |D_d[r]| and the number of rows whose
 //     counts agree are reported for information only.
 //
@@ -50,6 +61,7 @@
 #include <exception>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "ovq/ovq.hpp"
@@ -64,9 +76,11 @@ using Clock = std::chrono::steady_clock;
 
 const char kUsage[] =
     "usage: soak [--tokens N] [--dk D] [--dv D] [--capacity N] [--chunk L] [--beta B]\n"
-    "            [--check-every M] [--bound X] [--seed S]\n"
-    "Streams N tokens (default 1000000) through OVQ-attention in float and double and checks\n"
-    "the state's invariants every M tokens (default 1000000). Exit 0: pass, 1: a check failed.\n";
+    "            [--check-every M] [--bound X] [--storage f32|bf16|f16] [--rows-bound X]\n"
+    "            [--seed S]\n"
+    "Streams N tokens (default 1000000) through OVQ-attention in float (or bf16, fp16) and\n"
+    "double and checks the state's invariants every M tokens (default 1000000).\n"
+    "Exit 0: pass, 1: a check failed.\n";
 
 struct Config {
   std::int64_t tokens = 1000000;
@@ -77,6 +91,8 @@ struct Config {
   double beta = 8.0;
   std::int64_t check_every = 1000000;
   double bound = 1e-3;
+  std::string storage = "f32";
+  double rows_bound = -1.0;  // < 0: 8 beta u of the storage type
   std::uint64_t seed = 1;
 };
 
@@ -127,6 +143,12 @@ Config parse(int argc, char** argv) {
       c.check_every = parse_count(arg, value, 1);
     else if (arg == "--bound")
       c.bound = parse_number(arg, value);
+    else if (arg == "--storage") {
+      if (value != "f32" && value != "bf16" && value != "f16")
+        usage_error("--storage: '" + value + "', expected f32, bf16 or f16");
+      c.storage = value;
+    } else if (arg == "--rows-bound")
+      c.rows_bound = parse_number(arg, value);
     else if (arg == "--seed")
       c.seed = static_cast<std::uint64_t>(parse_count(arg, value, 0));
     else
@@ -253,12 +275,41 @@ class Stream {
   std::int64_t count_ = 0;
 };
 
-// The dictionary read of every probe, in double: sum_r c_r e^{beta p.Dk_r} Dv_r / (same weights).
-template <class S>
-MatD dictionary_read(const ovq::Dictionary<S>& d, const MatD& probes, double beta) {
+template <class T>
+double to_double(T x) {
+  if constexpr (ovq::is_half_v<T>)
+    return static_cast<double>(ovq::widen(x));
+  else
+    return static_cast<double>(x);
+}
+
+template <class T>
+MatD to_double(const ovq::ConstRowsView<T>& rows) {
+  MatD out(rows.rows, rows.cols);
+  for (Index i = 0; i < rows.rows; ++i)
+    for (Index j = 0; j < rows.cols; ++j) out(i, j) = to_double(rows.row(i)[j]);
+  return out;
+}
+
+// Half the distance from 1 to the next representable number.
+template <class T>
+constexpr double unit_roundoff() {
+  if constexpr (std::is_same_v<T, ovq::bf16>)
+    return 0x1.0p-9;
+  else if constexpr (std::is_same_v<T, ovq::fp16>)
+    return 0x1.0p-12;
+  else
+    return std::numeric_limits<T>::epsilon() / 2.0;
+}
+
+// The read of every probe from a dictionary's rows (keys, values) and counts, in double:
+// sum_r c_r e^{beta p.Dk_r} Dv_r / (same weights).
+template <class S, class T>
+MatD dictionary_read(const ovq::Dictionary<S>& d, const ovq::ConstRowsView<T>& key_rows,
+                     const ovq::ConstRowsView<T>& value_rows, const MatD& probes, double beta) {
   const Index n = d.size();
-  const MatD keys = ovq::as_eigen(d.keys()).template cast<double>();
-  const MatD values = ovq::as_eigen(d.values()).template cast<double>();
+  const MatD keys = to_double(key_rows);
+  const MatD values = to_double(value_rows);
   MatD out = MatD::Zero(probes.rows(), d.value_dim());
   std::vector<double> logit(static_cast<std::size_t>(n));
   for (Index p = 0; p < probes.rows(); ++p) {
@@ -296,6 +347,8 @@ struct Checker {
   }
 };
 
+// The running means (float or double) are checked against the stream; 16-bit rows must be the
+// means rounded to 16 bits.
 template <class S>
 void check_state(Checker& ck, const char* name, const ovq::OvqState<S>& s, std::int64_t fed,
                  const Stream& stream, Index chunk) {
@@ -312,43 +365,73 @@ void check_state(Checker& ck, const char* name, const ovq::OvqState<S>& s, std::
   }
   ck.require(total == s.absorbed(), tag + "counts sum to " + std::to_string(total) +
                                         ", expected t = " + std::to_string(s.absorbed()));
-  const auto keys = ovq::as_eigen(d.keys());
-  const auto values = ovq::as_eigen(d.values());
+  const MatD keys = to_double(d.mean_keys());
+  const MatD values = to_double(d.mean_values());
   ck.require(keys.allFinite() && values.allFinite(), tag + "a centroid is not finite");
-  ck.require(
-      ovq::as_eigen(s.pending_keys()).allFinite() && ovq::as_eigen(s.pending_values()).allFinite(),
-      tag + "a pending row is not finite");
+  ck.require(to_double(s.pending_keys()).allFinite() && to_double(s.pending_values()).allFinite(),
+             tag + "a pending row is not finite");
   for (Index r = 0; r < d.size(); ++r) {
-    const double norm = keys.row(r).template cast<double>().norm();
+    const double norm = keys.row(r).norm();
     ck.require(norm <= 1.0 + 1e-4, tag + "key centroid " + std::to_string(r) + " has norm " +
                                        std::to_string(norm) + " > 1");
     for (Index j = 0; j < d.value_dim(); ++j) {
-      const double x = static_cast<double>(values(r, j));
+      const double x = values(r, j);
       const double pad = 1e-5 * std::max(std::abs(stream.lo(j)), std::abs(stream.hi(j)));
       ck.require(x >= stream.lo(j) - pad && x <= stream.hi(j) + pad,
                  tag + "value centroid " + std::to_string(r) + " leaves the values' range");
     }
   }
+  if constexpr (ovq::is_half_v<S>) {
+    auto same = [&](const ovq::ConstRowsView<S>& rows, const ovq::ConstRowsView<float>& means) {
+      for (Index r = 0; r < rows.rows; ++r)
+        for (Index j = 0; j < rows.cols; ++j)
+          if (ovq::widen(rows.row(r)[j]) != ovq::widen(ovq::narrow<S>(means.row(r)[j])))
+            return false;
+      return true;
+    };
+    ck.require(same(d.keys(), d.mean_keys()) && same(d.values(), d.mean_values()),
+               tag + "a 16-bit row is not its running mean rounded to 16 bits");
+  }
 }
 
 template <class S>
 void check_outputs(Checker& ck, const char* name, const Mat<S>& o, const Stream& stream) {
-  ck.require(o.allFinite(), std::string(name) + ": an output is not finite");
   for (Index i = 0; i < o.rows(); ++i)
     for (Index j = 0; j < o.cols(); ++j) {
-      const double x = static_cast<double>(o(i, j));
-      const double pad = 1e-5 * std::max(std::abs(stream.lo(j)), std::abs(stream.hi(j)));
+      const double x = to_double(o(i, j));
+      ck.require(std::isfinite(x), std::string(name) + ": an output is not finite");
+      // A 16-bit output is the float one rounded: it may pass the range by half an ulp.
+      const double ulp = ovq::is_half_v<S> ? 2.0 * unit_roundoff<S>() : 0.0;
+      const double pad = (1e-5 + ulp) * std::max(std::abs(stream.lo(j)), std::abs(stream.hi(j)));
       ck.require(x >= stream.lo(j) - pad && x <= stream.hi(j) + pad,
                  std::string(name) + ": an output leaves the values' range");
     }
 }
 
+template <class E>
+Mat<E> rounded(const MatD& x) {
+  if constexpr (ovq::is_half_v<E>)
+    return x.cast<float>().cast<E>();
+  else
+    return x.cast<E>();
+}
+
+template <class E>
+MatD as_double(const Mat<E>& x) {
+  return to_double(ovq::ConstRowsView<E>{x.data(), x.rows(), x.cols(), x.cols()});
+}
+
+// E: the storage of the run checked against double (float, bf16 or fp16).
+template <class E>
 int soak(const Config& cfg) {
   ovq::OvqOptions opt;
   opt.capacity = cfg.capacity;
   opt.chunk = cfg.chunk;
   opt.beta = cfg.beta;
-  const ovq::OvqAttention<float> mixer_f(opt);
+  constexpr bool kHalf = ovq::is_half_v<E>;
+  const double rows_bound = cfg.rows_bound >= 0.0 ? cfg.rows_bound
+                                                  : 8.0 * cfg.beta * unit_roundoff<E>();
+  const ovq::OvqAttention<E> mixer_f(opt);
   const ovq::OvqAttention<double> mixer_d(opt);
   auto state_f = mixer_f.make_state(cfg.dk, cfg.dv);
   auto state_d = mixer_d.make_state(cfg.dk, cfg.dv);
@@ -370,21 +453,22 @@ int soak(const Config& cfg) {
   }
 
   std::printf(
-      "soak: OVQ float vs double, %lld tokens, dk %lld, dv %lld, capacity %lld, chunk %lld, "
-      "beta %g, %lld clusters, checks every %lld tokens, bound %g\n",
-      static_cast<long long>(cfg.tokens), static_cast<long long>(cfg.dk),
+      "soak: OVQ %s vs double, %lld tokens, dk %lld, dv %lld, capacity %lld, chunk %lld, "
+      "beta %g, %lld clusters, checks every %lld tokens, bound %g",
+      ovq::element_name<E>(), static_cast<long long>(cfg.tokens), static_cast<long long>(cfg.dk),
       static_cast<long long>(cfg.dv), static_cast<long long>(cfg.capacity),
       static_cast<long long>(cfg.chunk), cfg.beta, static_cast<long long>(stream.clusters()),
       static_cast<long long>(cfg.check_every), cfg.bound);
-  std::printf("%12s %6s %6s %11s %11s %11s %11s\n", "tokens", "n_f", "n_d", "probe", "output",
-              "row_dist", "same_count");
+  if (kHalf) std::printf(", 16-bit rows bound %g", rows_bound);
+  std::printf("\n%12s %6s %6s %11s %11s %11s %11s%s\n", "tokens", "n_f", "n_d", "probe", "output",
+              "row_dist", "same_count", kHalf ? "  rows_probe" : "");
   std::fflush(stdout);
 
   const Index block = cfg.chunk * std::max<Index>(1, 4096 / cfg.chunk);
   MatD k, v, q;
-  Mat<float> kf, vf, qf;
+  Mat<E> kf, vf, qf;
   double t_gen = 0.0, t_float = 0.0, t_double = 0.0, t_check = 0.0;
-  double worst_probe = 0.0, worst_output = 0.0, last_row_dist = 0.0;
+  double worst_probe = 0.0, worst_rows_probe = 0.0, worst_output = 0.0, last_row_dist = 0.0;
   Index last_same = 0;
   std::int64_t fed = 0;
   std::int64_t next_check = std::min(cfg.check_every, cfg.tokens);
@@ -404,8 +488,9 @@ int soak(const Config& cfg) {
     auto t0 = Clock::now();
     if (absorbed > 0) {
       stream.next(absorbed, k, v, nullptr);
-      kf = k.cast<float>();
-      vf = v.cast<float>();
+      kf = rounded<E>(k);
+      vf = rounded<E>(v);
+      if constexpr (kHalf) k = as_double(kf), v = as_double(vf);
       t_gen += seconds_since(t0);
       t0 = Clock::now();
       mixer_f.absorb(state_f, kf, vf);
@@ -419,12 +504,13 @@ int soak(const Config& cfg) {
 
     t0 = Clock::now();
     stream.next(read, k, v, &q);
-    kf = k.cast<float>();
-    vf = v.cast<float>();
-    qf = q.cast<float>();
+    kf = rounded<E>(k);
+    vf = rounded<E>(v);
+    qf = rounded<E>(q);
+    if constexpr (kHalf) k = as_double(kf), v = as_double(vf), q = as_double(qf);
     t_gen += seconds_since(t0);
     t0 = Clock::now();
-    const Mat<float> o_f = mixer_f.forward(state_f, qf, kf, vf);
+    const Mat<E> o_f = mixer_f.forward(state_f, qf, kf, vf);
     t_float += seconds_since(t0);
     t0 = Clock::now();
     const MatD o_d = mixer_d.forward(state_d, q, k, v);
@@ -432,58 +518,80 @@ int soak(const Config& cfg) {
     fed += read;
 
     t0 = Clock::now();
-    check_state(ck, "float", state_f, fed, stream, cfg.chunk);
+    const char* name = ovq::element_name<E>();
+    check_state(ck, name, state_f, fed, stream, cfg.chunk);
     check_state(ck, "double", state_d, fed, stream, cfg.chunk);
-    check_outputs(ck, "float", o_f, stream);
+    check_outputs(ck, name, o_f, stream);
     check_outputs(ck, "double", o_d, stream);
     const double scale = stream.v_rms();
-    const double probe = max_row_distance(dictionary_read(state_f.dictionary(), probes, cfg.beta),
-                                          dictionary_read(state_d.dictionary(), probes, cfg.beta)) /
-                         scale;
-    const double output = max_row_distance(o_f.cast<double>(), o_d) / scale;
-    worst_probe = std::max(worst_probe, probe);
-    worst_output = std::max(worst_output, output);
-    ck.require(probe <= cfg.bound,
-               "float and double dictionary reads differ by " + std::to_string(probe) + " > bound");
-    ck.require(output <= cfg.bound,
-               "float and double outputs differ by " + std::to_string(output) + " > bound");
-    // Row by row (for information): rows whose counts agree, and the largest relative distance
-    // between matching rows.
     const auto& df = state_f.dictionary();
     const auto& dd = state_d.dictionary();
+    const MatD read_d = dictionary_read(dd, dd.keys(), dd.values(), probes, cfg.beta);
+    // The running means' read (float means for every E), and for 16-bit storage the read of the
+    // rows the kernels stream.
+    const double probe =
+        max_row_distance(dictionary_read(df, df.mean_keys(), df.mean_values(), probes, cfg.beta),
+                         read_d) /
+        scale;
+    const double rows_probe =
+        kHalf ? max_row_distance(dictionary_read(df, df.keys(), df.values(), probes, cfg.beta),
+                                 read_d) /
+                    scale
+              : probe;
+    const double output = max_row_distance(as_double(o_f), o_d) / scale;
+    const double output_bound = kHalf ? rows_bound : cfg.bound;
+    worst_probe = std::max(worst_probe, probe);
+    worst_rows_probe = std::max(worst_rows_probe, rows_probe);
+    worst_output = std::max(worst_output, output);
+    ck.require(probe <= cfg.bound, std::string(name) + " and double dictionary reads differ by " +
+                                       std::to_string(probe) + " > bound");
+    ck.require(!kHalf || rows_probe <= rows_bound, std::string(name) + " rows' and double reads differ by " +
+                                             std::to_string(rows_probe) + " > rows bound");
+    ck.require(output <= output_bound, std::string(name) + " and double outputs differ by " +
+                                           std::to_string(output) + " > bound");
+    // Row by row (for information): rows whose counts agree, and the largest relative distance
+    // between matching rows.
     last_same = 0;
     last_row_dist = 0.0;
+    const MatD fk = to_double(df.mean_keys()), fv = to_double(df.mean_values());
     for (Index r = 0; r < std::min(df.size(), dd.size()); ++r) {
       if (df.count(r) == dd.count(r)) ++last_same;
       Eigen::RowVectorXd a(cfg.dk + cfg.dv), b(cfg.dk + cfg.dv);
-      a << ovq::row_map(df.keys(), r).cast<double>(), ovq::row_map(df.values(), r).cast<double>();
-      b << ovq::row_map(dd.keys(), r).cast<double>(), ovq::row_map(dd.values(), r).cast<double>();
+      a << fk.row(r), fv.row(r);
+      b << ovq::row_map(dd.keys(), r), ovq::row_map(dd.values(), r);
       last_row_dist = std::max(last_row_dist, (a - b).norm() / std::max(b.norm(), 1e-300));
     }
     t_check += seconds_since(t0);
-    std::printf("%12lld %6lld %6lld %11.3e %11.3e %11.3e %6lld/%-4lld\n",
+    std::printf("%12lld %6lld %6lld %11.3e %11.3e %11.3e %6lld/%-4lld",
                 static_cast<long long>(fed), static_cast<long long>(df.size()),
                 static_cast<long long>(dd.size()), probe, output, last_row_dist,
                 static_cast<long long>(last_same),
                 static_cast<long long>(std::min(df.size(), dd.size())));
+    if (kHalf) std::printf(" %11.3e", rows_probe);
+    std::printf("\n");
     std::fflush(stdout);
     next_check = std::min(next_check + cfg.check_every, cfg.tokens);
   }
 
   const double wall = seconds_since(start);
   std::printf(
-      "soak: %lld tokens in %.1f s: %.3g tokens/s overall; float %.3g tokens/s, double "
+      "soak: %lld tokens in %.1f s: %.3g tokens/s overall; %s %.3g tokens/s, double "
       "%.3g tokens/s (mixer time only); generation %.1f s, checks %.1f s\n",
-      static_cast<long long>(fed), wall, static_cast<double>(fed) / wall,
+      static_cast<long long>(fed), wall, static_cast<double>(fed) / wall, ovq::element_name<E>(),
       static_cast<double>(fed) / std::max(t_float, 1e-9),
       static_cast<double>(fed) / std::max(t_double, 1e-9), t_gen, t_check);
   std::printf(
-      "soak: t = %lld (float), %lld (double); n = %lld / %lld; worst probe distance %.3e, "
+      "soak: t = %lld (%s), %lld (double); n = %lld / %lld; worst probe distance %.3e, "
       "worst output distance %.3e (bound %g); last row-by-row distance %.3e with %lld rows "
       "of equal counts\n",
-      static_cast<long long>(state_f.absorbed()), static_cast<long long>(state_d.absorbed()),
+      static_cast<long long>(state_f.absorbed()), ovq::element_name<E>(),
+      static_cast<long long>(state_d.absorbed()),
       static_cast<long long>(state_f.dictionary().size()), static_cast<long long>(cfg.capacity),
-      worst_probe, worst_output, cfg.bound, last_row_dist, static_cast<long long>(last_same));
+      worst_probe, worst_output, kHalf ? rows_bound : cfg.bound, last_row_dist,
+      static_cast<long long>(last_same));
+  if (kHalf)
+    std::printf("soak: worst 16-bit rows' probe distance %.3e (rows bound %g)\n", worst_rows_probe,
+                rows_bound);
   if (!ck.failure.empty()) {
     std::fprintf(stderr, "soak: FAIL after %lld tokens: %s\n", static_cast<long long>(fed),
                  ck.failure.c_str());
@@ -497,7 +605,10 @@ int soak(const Config& cfg) {
 
 int main(int argc, char** argv) {
   try {
-    return soak(parse(argc, argv));
+    const Config cfg = parse(argc, argv);
+    if (cfg.storage == "bf16") return soak<ovq::bf16>(cfg);
+    if (cfg.storage == "f16") return soak<ovq::fp16>(cfg);
+    return soak<float>(cfg);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "soak: FAIL: %s\n", e.what());
     return 1;

@@ -211,6 +211,9 @@ def load(directory):
             contexts[base] = context
         rebase_frac_sgemm(results)
         for r in results:
+            # A paired run's ceilings served its own cases (above); the main run has its own.
+            if paired and r.family.startswith("BM_Peak_"):
+                continue
             r.paired = paired
             # Repetitions (--benchmark_repetitions) give a case several results: the best time
             # is kept, with how many there were.
@@ -630,7 +633,7 @@ def curve(results, family, extra, d, key):
     """Points (x, result) of a family at head dim d, Hq = Hkv; the most heads at each x."""
     best = {}
     for r in results.values():
-        if r.family != family or r.args.get("d") != d or "H" not in r.args:
+        if r.family != family or r.args.get("d") != d or "H" not in r.args or "elem" in r.args:
             continue
         if any(r.args.get(k) != v for k, v in extra.items()):
             continue
@@ -684,7 +687,7 @@ def plot(directory, main):
     decode_curves.append(("OVQ N=2048, dictionary full", "BM_OVQ_decode_full", {"N": 2048, "H": 8}))
     for label, family, extra in decode_curves:
         pts = sorted(((x.args["ctx"], x) for x in r.values() if x.family == family
-                      and x.args.get("d") == 128
+                      and x.args.get("d") == 128 and "elem" not in x.args
                       and all(x.args.get(k) == v for k, v in extra.items())),
                      key=lambda p: p[0])
         if len(extra) == 1 and "H" in extra:
