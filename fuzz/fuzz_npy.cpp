@@ -88,6 +88,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
                  "payload of ", parsed.data.size(), " bytes for ", count, " elements");
   if (parsed.dtype == DType::f32) {
     check_round_trip<float>(parsed);
+  } else if (parsed.dtype == DType::f16) {
+    check_round_trip<ovq::fp16>(parsed);
   } else {
     check_round_trip<double>(parsed);
   }

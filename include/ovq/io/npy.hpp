@@ -472,7 +472,14 @@ struct NpyArray {
     if (dtype == DType::f32) {
       for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<T>(npy_detail::load_f32(p + 4 * i));
     } else if (dtype == DType::f16) {
-      for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<T>(npy_detail::load_f16(p + 2 * i));
+      if constexpr (std::is_same<T, fp16>::value) {
+        // Bit for bit: no trip through float that could quiet a NaN's payload.
+        for (std::size_t i = 0; i < out.size(); ++i)
+          out[i] = Eigen::numext::bit_cast<fp16>(
+              static_cast<std::uint16_t>(std::uint16_t(p[2 * i]) | (std::uint16_t(p[2 * i + 1]) << 8)));
+      } else {
+        for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<T>(npy_detail::load_f16(p + 2 * i));
+      }
     } else if constexpr (is_half_v<T>) {
       // float64 to a 16-bit type through float: rounded twice, documented as such.
       for (std::size_t i = 0; i < out.size(); ++i)
