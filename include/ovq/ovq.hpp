@@ -19,6 +19,7 @@
 #include "ovq/core/error.hpp"
 #include "ovq/core/types.hpp"
 #include "ovq/core/online_softmax.hpp"
+#include "ovq/core/merge.hpp"
 #include "ovq/state/kv_cache.hpp"
 #include "ovq/state/linear_state.hpp"
 #include "ovq/state/dictionary.hpp"

@@ -24,11 +24,13 @@ struct Executor {
   using arch_type = Arch;
   using Compute = compute_t<Element>;
 
-  // The fused read (kernels/read_tiles.hpp) of `heads` stacked query heads.
+  // The fused read (kernels/read_tiles.hpp) of `heads` stacked query heads, with each query's
+  // log-sum-exp where lse is not null.
   static void read(const ConstRowsView<Element>* q, Index heads,
                    const MemoryRows<Element>& memory, const LocalRows<Element>& local,
-                   const ReadMask& mask, Compute beta, const RowsView<Element>* o) {
-    kernels::read<Element, Arch>(q, heads, memory, local, mask, beta, o);
+                   const ReadMask& mask, Compute beta, const RowsView<Element>* o,
+                   Compute* const* lse = nullptr) {
+    kernels::read<Element, Arch>(q, heads, memory, local, mask, beta, o, lse);
   }
 
   // Nearest centroid of each row of x (kernels/assign.hpp).

@@ -215,8 +215,8 @@ class TileReader {
 
   TileReader(const ConstRowsView<Element>* q, Index heads, const MemoryRows<Element>& memory,
              const LocalRows<Element>& local, const ReadMask& mask, Compute beta,
-             const RowsView<Element>* o)
-      : q_(q), o_(o), heads_(heads), n_pos_(q[0].rows), dk_(q[0].cols), dv_(o[0].cols),
+             const RowsView<Element>* o, Compute* const* lse)
+      : q_(q), o_(o), lse_(lse), heads_(heads), n_pos_(q[0].rows), dk_(q[0].cols), dv_(o[0].cols),
         query_offset_(mask.query_offset), beta_(beta) {
     static_cast<KeyAxisGeometry&>(axis_) =
         key_axis_geometry(memory.origin, memory.keys.rows, local.keys.rows, mask, n_pos_);
@@ -321,7 +321,7 @@ class TileReader {
     }
   }
 
-  void store(Index tile, const Compute* acc_rows) const {
+  void store(Index tile, const Compute* acc_rows, const SoftmaxStats<Compute>* stats) const {
     const Index i0 = tile * positions_per_tile_;
     const Index np = tile_rows(tile) / heads_;
     // The accumulator already is the average (zero when no row was visible). An average of
@@ -336,13 +336,22 @@ class TileReader {
           out[c] = narrow<Element>(std::clamp(acc[c], -kMaxValue, kMaxValue));
       }
     }
+    if (lse_ == nullptr) return;
+    // log sum_j exp(s_ij) = m + log l; -inf for a query that saw no row (l = 0).
+    for (Index i = 0; i < np; ++i) {
+      for (Index h = 0; h < heads_; ++h) {
+        const SoftmaxStats<Compute>& st = stats[i * heads_ + h];
+        lse_[h][i0 + i] = st.empty() ? -std::numeric_limits<Compute>::infinity()
+                                     : st.m + std::log(st.l);
+      }
+    }
   }
 
   void read_serial() const {
     Buffers buf(tile_rows_, dk_, dv_, kTile), part(tile_rows_, dk_, dv_, kTile);
     for (Index t = 0; t < n_tiles_; ++t) {
       read_tile(t, buf, part);
-      store(t, buf.acc.data());
+      store(t, buf.acc.data(), buf.stats.data());
     }
   }
 
@@ -355,7 +364,7 @@ class TileReader {
 #pragma omp for schedule(dynamic, 1)
       for (Index t = 0; t < n_tiles_; ++t) {
         read_tile(t, buf, part);
-        store(t, buf.acc.data());
+        store(t, buf.acc.data(), buf.stats.data());
       }
     }
   }
@@ -385,12 +394,13 @@ class TileReader {
     for (Index b = 1; b < blocks; ++b)
       merge_rows(bq, block_acc.data(), block_stats.data(), block_acc.data() + b * bq * dv_,
                  block_stats.data() + b * bq);
-    store(0, block_acc.data());
+    store(0, block_acc.data(), block_stats.data());
   }
 #endif
 
   const ConstRowsView<Element>* q_;
   const RowsView<Element>* o_;
+  Compute* const* lse_;  // null, or per head one log-sum-exp per query
   Index heads_, n_pos_, dk_, dv_, query_offset_;
   Compute beta_;
   KeyAxis<Element> axis_;
@@ -399,13 +409,15 @@ class TileReader {
 
 }  // namespace read_detail
 
-// The read of the contract on the CPU. q and o hold `heads` views each.
+// The read of the contract on the CPU. q and o hold `heads` views each; lse, when not null,
+// `heads` pointers to q[0].rows entries each: every query's log-sum-exp of the logits it saw
+// (bias included; -inf where it saw none), what merging partial reads needs.
 template <class Element, class Arch = arch::native>
 void read(const ConstRowsView<Element>* q, Index heads, const MemoryRows<Element>& memory,
           const LocalRows<Element>& local, const ReadMask& mask, compute_t<Element> beta,
-          const RowsView<Element>* o) {
+          const RowsView<Element>* o, compute_t<Element>* const* lse = nullptr) {
   if (heads <= 0 || q[0].rows == 0) return;
-  read_detail::TileReader<Element, Arch>(q, heads, memory, local, mask, beta, o).run();
+  read_detail::TileReader<Element, Arch>(q, heads, memory, local, mask, beta, o, lse).run();
 }
 
 // One query head.

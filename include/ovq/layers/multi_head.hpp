@@ -21,6 +21,7 @@ class MultiHead {
  public:
   using Scalar = typename Mixer::scalar_type;
   using State = typename Mixer::State;
+  using Compute = compute_t<Scalar>;
 
   // One state per (batch, key/value head), each from mixer.make_state(dk, dv).
   MultiHead(Mixer mixer, Index batch, Index query_heads, Index kv_heads, Index dk, Index dv)
@@ -82,6 +83,16 @@ class MultiHead {
     return o;
   }
 
+  // The same, and each query's log-sum-exp: lse (B Hq T entries, in the rows' order; softmax
+  // mixers only).
+  void forward(const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
+               const ConstMatrixRef<Scalar>& v, MatrixRef<Scalar> o,
+               Eigen::Ref<RowVector<Compute>> lse) {
+    detail::require(lse.size() == q.rows(), "forward", "lse has ", lse.size(),
+                    " entries, expected ", q.rows(), " (the rows of Q)");
+    run("forward", true, rows_view(q), rows_view(k), rows_view(v), rows_view(o), lse.data());
+  }
+
   // Writes K ((B Hkv T) x dk) and V ((B Hkv T) x dv) into every state without reading.
   void absorb(const ConstMatrixRef<Scalar>& k, const ConstMatrixRef<Scalar>& v) {
     run("absorb", false, {nullptr, 0, key_dim(), key_dim()}, rows_view(k), rows_view(v),
@@ -126,12 +137,13 @@ class MultiHead {
   struct Group {
     std::vector<ConstRowsView<Scalar>> q;
     std::vector<RowsView<Scalar>> o;
+    std::vector<Compute*> lse;  // empty, or one per query head
     ConstRowsView<Scalar> k, v;
   };
 
   // reads = false (absorb): the states are written, nothing is read, q and o are unused.
   void run(const char* where, bool reads, ConstRowsView<Scalar> q, ConstRowsView<Scalar> k,
-           ConstRowsView<Scalar> v, RowsView<Scalar> o) {
+           ConstRowsView<Scalar> v, RowsView<Scalar> o, Compute* lse = nullptr) {
     const Index dk = key_dim();
     const Index dv = value_dim();
     const Index group_size = reads ? query_heads_ / kv_heads_ : 0;
@@ -163,6 +175,7 @@ class MultiHead {
         const Index head = b * query_heads_ + g * group_size + j;
         grp.q.push_back(q.middle_rows(head * tokens, tokens));
         grp.o.push_back(o.middle_rows(head * tokens, tokens));
+        if (lse != nullptr) grp.lse.push_back(lse + head * tokens);
       }
     }
     // Every state's input is checked before any state changes (the mixers' checks only read).
@@ -170,7 +183,7 @@ class MultiHead {
       const Group& grp = groups[static_cast<std::size_t>(s)];
       if (reads) {
         mixer_.check_forward(where, states_[static_cast<std::size_t>(s)], grp.q.data(),
-                             group_size, grp.k, grp.v, grp.o.data());
+                             group_size, grp.k, grp.v, grp.o.data(), lse != nullptr);
       } else {
         mixer_.check_write(where, states_[static_cast<std::size_t>(s)], grp.k, grp.v);
       }
@@ -182,7 +195,8 @@ class MultiHead {
       try {
         Group& grp = groups[static_cast<std::size_t>(s)];
         mixer_.forward_unchecked(states_[static_cast<std::size_t>(s)], grp.q.data(), group_size,
-                                 grp.k, grp.v, grp.o.data());
+                                 grp.k, grp.v, grp.o.data(),
+                                 grp.lse.empty() ? nullptr : grp.lse.data());
       } catch (...) {
 #if defined(OVQ_HAS_OPENMP)
 #pragma omp critical(ovq_multi_head_failure)

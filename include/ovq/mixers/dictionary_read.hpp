@@ -13,12 +13,14 @@ template <class Scalar, class Arch>
 void read_dictionary_and_chunk(const Dictionary<Scalar>& dict, ConstRowsView<Scalar> chunk_keys,
                                ConstRowsView<Scalar> chunk_values, Index offset,
                                const ConstRowsView<Scalar>* q, Index heads, Index pos, Index len,
-                               compute_t<Scalar> beta, const RowsView<Scalar>* o) {
+                               compute_t<Scalar> beta, const RowsView<Scalar>* o,
+                               compute_t<Scalar>* const* lse) {
   const kernels::MemoryRows<Scalar> memory{dict.keys(), dict.values(), dict.log_counts()};
   const kernels::LocalRows<Scalar> local{chunk_keys, chunk_values};
   const kernels::ReadMask mask{true, offset, 0};
   kernels::Executor<Scalar, Arch>::read(slice_heads(q, heads, pos, len).data(), heads, memory,
-                                        local, mask, beta, slice_heads(o, heads, pos, len).data());
+                                        local, mask, beta, slice_heads(o, heads, pos, len).data(),
+                                        lse == nullptr ? nullptr : offset_rows(lse, heads, pos).data());
 }
 
 }  // namespace ovq::detail

@@ -12,6 +12,7 @@
 // length changes nothing but rounding. State: LinearState (S, z and at most L pending rows), of
 // constant size.
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "ovq/core/checks.hpp"
@@ -49,6 +50,7 @@ class LinearAttention
   using State = LinearState<Scalar>;
   using Options = LinearAttentionOptions;
   using Compute = compute_t<Scalar>;
+  static constexpr bool kHasLogSumExp = false;  // no softmax
 
   explicit LinearAttention(const Options& options = {}) : options_(options) {
     options_.validate();
@@ -87,9 +89,39 @@ class LinearAttention
     return out;
   }
 
+  // Sequence parallelism: the state after the tokens of `prefix` followed by those summarised
+  // in `summary` (a state that started empty and saw only those tokens):
+  //   S = gamma^b S_prefix + S_summary,  z = gamma^b z_prefix + z_summary
+  // over the b tokens the summary folded, with the summary's pending rows. The prefix must hold
+  // no pending rows (its tokens a multiple of the chunk), so that the summary's chunks sit where
+  // one run's would; the result then equals one run over both to rounding (the sums associate
+  // differently). Cost: O(dk dv).
+  State chain(const State& prefix, const State& summary) const {
+    const char* where = "chain";
+    check_state(where, prefix);
+    check_state(where, summary);
+    detail::require(prefix.key_dim() == summary.key_dim() &&
+                        prefix.value_dim() == summary.value_dim(),
+                    where, "summary has (dk, dv) = (", summary.key_dim(), ", ",
+                    summary.value_dim(), "), expected the prefix's (", prefix.key_dim(), ", ",
+                    prefix.value_dim(), ")");
+    detail::require(prefix.pending() == 0, where, "prefix holds ", prefix.pending(),
+                    " pending rows (t = ", prefix.tokens(), "), expected t a multiple of the chunk ",
+                    options_.chunk);
+    State out = summary;
+    const Compute g = static_cast<Compute>(std::pow(options_.decay,
+                                                    static_cast<double>(summary.absorbed())));
+    out.kv() = g * prefix.kv() + summary.kv();
+    out.k_sum() = g * prefix.k_sum() + summary.k_sum();
+    out.restore(prefix.tokens() + summary.absorbed(), summary.pending_keys(),
+                summary.pending_values());
+    return out;
+  }
+
   void forward_unchecked(State& state, const ConstRowsView<Scalar>* q, Index heads,
                          ConstRowsView<Scalar> k, ConstRowsView<Scalar> v,
-                         const RowsView<Scalar>* o) const {
+                         const RowsView<Scalar>* o,
+                         Compute* const* /*lse: none, see kHasLogSumExp*/ = nullptr) const {
     using Exec = kernels::Executor<Scalar, Arch>;
     const kernels::LinearChunkParams<Compute> params{
         static_cast<Compute>(options_.beta), static_cast<Compute>(options_.decay),

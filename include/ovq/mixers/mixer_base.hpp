@@ -5,11 +5,15 @@
 //   step(state, q, k, v, o)         one token, for decoding; same result as forward
 //   forward_heads(state, ...)       several query heads sharing one key/value state (GQA)
 //   absorb(state, K, V)             write only, no outputs (encoding a long context)
+//   forward(state, Q, K, V, O, lse) also each query's log-sum-exp (softmax mixers: self, VQ,
+//                                   OVQ), for merging partial reads (core/merge.hpp)
 //
 // A mixer (Derived) provides:
 //   void check_state(const char* where, const State&) const;
 //   void forward_unchecked(State&, const ConstRowsView<S>* q, Index heads,
-//                          ConstRowsView<S> k, ConstRowsView<S> v, const RowsView<S>* o) const;
+//                          ConstRowsView<S> k, ConstRowsView<S> v, const RowsView<S>* o,
+//                          compute_t<S>* const* lse) const;
+//   static constexpr bool kHasLogSumExp;   // whether lse can be asked for
 // Every argument is checked here before the state is touched; forward_unchecked then cannot fail
 // on input (only on memory exhaustion).
 #include <vector>
@@ -31,6 +35,14 @@ std::vector<View> slice_heads(const View* views, Index heads, Index first, Index
   return out;
 }
 
+// Entries [first, ...) of each of `heads` per-head arrays.
+template <class T>
+std::vector<T*> offset_rows(T* const* rows, Index heads, Index first) {
+  std::vector<T*> out(static_cast<std::size_t>(heads));
+  for (Index h = 0; h < heads; ++h) out[static_cast<std::size_t>(h)] = rows[h] + first;
+  return out;
+}
+
 }  // namespace detail
 
 template <class Derived, class Scalar, class StateT>
@@ -40,6 +52,7 @@ class MixerBase {
  public:
   using scalar_type = Scalar;
   using State = StateT;
+  using Compute = compute_t<Scalar>;
 
   // Q: T x dk, K: T x dk, V: T x dv, O: T x dv (written).
   void forward(State& state, const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
@@ -55,6 +68,19 @@ class MixerBase {
     RowMatrix<Scalar> o(q.rows(), v.cols());
     forward(state, q, k, v, o);
     return o;
+  }
+
+  // The same, and lse (T, written): lse_i = log sum_j exp(s_ij) over the logits s_ij (scale
+  // beta, bias included) query i saw; -inf where it saw none. Softmax mixers only.
+  void forward(State& state, const ConstMatrixRef<Scalar>& q, const ConstMatrixRef<Scalar>& k,
+               const ConstMatrixRef<Scalar>& v, MatrixRef<Scalar> o,
+               Eigen::Ref<RowVector<Compute>> lse) const {
+    detail::require(lse.size() == q.rows(), "forward", "lse has ", lse.size(),
+                    " entries, expected ", q.rows(), " (the rows of Q)");
+    const ConstRowsView<Scalar> qv = rows_view(q);
+    const RowsView<Scalar> ov = rows_view(o);
+    Compute* const lse_rows = lse.data();
+    forward_heads(state, &qv, 1, rows_view(k), rows_view(v), &ov, "forward", &lse_rows);
   }
 
   // One token: q (dk), k (dk), v (dv), o (dv, written).
@@ -80,23 +106,26 @@ class MixerBase {
     const ConstRowsView<Scalar> kv = rows_view(k);
     const ConstRowsView<Scalar> vv = rows_view(v);
     check_write("absorb", state, kv, vv);
-    self().forward_unchecked(state, nullptr, 0, kv, vv, nullptr);
+    self().forward_unchecked(state, nullptr, 0, kv, vv, nullptr, nullptr);
   }
 
   // `heads` query heads read the same state: q[h] (T x dk) -> o[h] (T x dv); the state is
-  // written once with k (T x dk), v (T x dv).
+  // written once with k (T x dk), v (T x dv). lse: null, or `heads` pointers to T entries each
+  // (each query's log-sum-exp, softmax mixers only).
   void forward_heads(State& state, const ConstRowsView<Scalar>* q, Index heads,
                      ConstRowsView<Scalar> k, ConstRowsView<Scalar> v, const RowsView<Scalar>* o,
-                     const char* where = "forward") const {
-    check_forward(where, state, q, heads, k, v, o);
-    self().forward_unchecked(state, q, heads, k, v, o);
+                     const char* where = "forward", Compute* const* lse = nullptr) const {
+    check_forward(where, state, q, heads, k, v, o, lse != nullptr);
+    self().forward_unchecked(state, q, heads, k, v, o, lse);
   }
 
   // The checks of forward_heads alone, for callers (multi-head layers) that check every head
   // before running any.
   void check_forward(const char* where, const State& state, const ConstRowsView<Scalar>* q,
                      Index heads, ConstRowsView<Scalar> k, ConstRowsView<Scalar> v,
-                     const RowsView<Scalar>* o) const {
+                     const RowsView<Scalar>* o, bool wants_lse = false) const {
+    detail::require(!wants_lse || Derived::kHasLogSumExp, where,
+                    "lse asked for, but linear attention has no softmax and so no log-sum-exp");
     detail::require(heads >= 1, where, "query heads = ", heads, ", expected >= 1");
     check_write(where, state, k, v);
     const Index dk = state.key_dim();

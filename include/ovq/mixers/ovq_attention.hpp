@@ -41,6 +41,7 @@ class OvqAttention : public MixerBase<OvqAttention<Scalar, Arch>, Scalar, OvqSta
  public:
   using arch_type = Arch;
   using State = OvqState<Scalar>;
+  static constexpr bool kHasLogSumExp = true;
   using Options = OvqOptions;
 
   explicit OvqAttention(const Options& options = {}) : options_(options) {
@@ -64,7 +65,8 @@ class OvqAttention : public MixerBase<OvqAttention<Scalar, Arch>, Scalar, OvqSta
 
   void forward_unchecked(State& state, const ConstRowsView<Scalar>* q, Index heads,
                          ConstRowsView<Scalar> k, ConstRowsView<Scalar> v,
-                         const RowsView<Scalar>* o) const {
+                         const RowsView<Scalar>* o,
+                         compute_t<Scalar>* const* lse = nullptr) const {
     const compute_t<Scalar> beta = static_cast<compute_t<Scalar>>(options_.beta);
     const kernels::OvqWriteParams write{options_.growth, options_.seeding, options_.rate,
                                         options_.renormalize};
@@ -76,7 +78,7 @@ class OvqAttention : public MixerBase<OvqAttention<Scalar, Arch>, Scalar, OvqSta
 
       detail::read_dictionary_and_chunk<Scalar, Arch>(state.dictionary(), state.pending_keys(),
                                                       state.pending_values(), offset, q, heads,
-                                                      pos, len, beta, o);
+                                                      pos, len, beta, o, lse);
 
       if (state.pending() == chunk) {
         kernels::Executor<Scalar, Arch>::ovq_write(state.dictionary(), state.absorbed(),

@@ -40,6 +40,7 @@ class SelfAttention : public MixerBase<SelfAttention<Scalar, Arch>, Scalar, KvCa
   using arch_type = Arch;
   using State = KvCache<Scalar>;
   using Options = SelfAttentionOptions;
+  static constexpr bool kHasLogSumExp = true;
 
   explicit SelfAttention(const Options& options = {}) : options_(options) {
     options_.validate();
@@ -61,7 +62,8 @@ class SelfAttention : public MixerBase<SelfAttention<Scalar, Arch>, Scalar, KvCa
 
   void forward_unchecked(State& state, const ConstRowsView<Scalar>* q, Index heads,
                          ConstRowsView<Scalar> k, ConstRowsView<Scalar> v,
-                         const RowsView<Scalar>* o) const {
+                         const RowsView<Scalar>* o,
+                         compute_t<Scalar>* const* lse = nullptr) const {
     const compute_t<Scalar> beta = static_cast<compute_t<Scalar>>(options_.beta);
     // Non-causal queries see every key of the call, so the call is read as one piece.
     const Index piece = options_.causal ? options_.chunk : std::max<Index>(k.rows, 1);
@@ -73,9 +75,10 @@ class SelfAttention : public MixerBase<SelfAttention<Scalar, Arch>, Scalar, KvCa
                                                state.tokens() - state.size()};
       const kernels::LocalRows<Scalar> local{k.middle_rows(c0, len), v.middle_rows(c0, len)};
       const kernels::ReadMask mask{options_.causal, 0, options_.window};
-      kernels::Executor<Scalar, Arch>::read(detail::slice_heads(q, heads, c0, len).data(), heads,
-                                            memory, local, mask, beta,
-                                            detail::slice_heads(o, heads, c0, len).data());
+      kernels::Executor<Scalar, Arch>::read(
+          detail::slice_heads(q, heads, c0, len).data(), heads, memory, local, mask, beta,
+          detail::slice_heads(o, heads, c0, len).data(),
+          lse == nullptr ? nullptr : detail::offset_rows(lse, heads, c0).data());
       state.append(local.keys, local.values);
     }
   }

@@ -37,6 +37,7 @@ class VqAttention : public MixerBase<VqAttention<Scalar, Arch>, Scalar, VqState<
  public:
   using arch_type = Arch;
   using State = VqState<Scalar>;
+  static constexpr bool kHasLogSumExp = true;
   using Options = VqAttentionOptions;
 
   explicit VqAttention(const Options& options = {}) : options_(options) {
@@ -60,7 +61,8 @@ class VqAttention : public MixerBase<VqAttention<Scalar, Arch>, Scalar, VqState<
 
   void forward_unchecked(State& state, const ConstRowsView<Scalar>* q, Index heads,
                          ConstRowsView<Scalar> k, ConstRowsView<Scalar> v,
-                         const RowsView<Scalar>* o) const {
+                         const RowsView<Scalar>* o,
+                         compute_t<Scalar>* const* lse = nullptr) const {
     using Exec = kernels::Executor<Scalar, Arch>;
     const compute_t<Scalar> beta = static_cast<compute_t<Scalar>>(options_.beta);
     const Index chunk = options_.chunk;
@@ -77,7 +79,7 @@ class VqAttention : public MixerBase<VqAttention<Scalar, Arch>, Scalar, VqState<
 
       detail::read_dictionary_and_chunk<Scalar, Arch>(state.dictionary(), state.pending_keys(),
                                                       state.pending_values(), offset, q, heads,
-                                                      pos, len, beta, o);
+                                                      pos, len, beta, o, lse);
 
       if (state.pending() == chunk) {
         Exec::vq_write(state.dictionary(), state.pending_codes(), state.pending_values(), groups);

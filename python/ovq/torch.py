@@ -1,0 +1,218 @@
+"""ovq.torch: the mixers as PyTorch custom ops and nn.Module layers.
+
+    import torch, ovq, ovq.torch
+    layer = ovq.torch.Attention(ovq.OVQAttention(capacity=1024), batch=1, query_heads=8,
+                                kv_heads=8, dk=64, dv=64)
+    o = layer(q, k, v)              # (B, Hq, T, dk), (B, Hkv, T, dk), (B, Hkv, T, dv) -> (B, Hq, T, dv)
+    o_t = layer.step(q_t, k_t, v_t) # (B, Hq, dk), ... -> (B, Hq, dv)
+
+A layer's states live in the extension; the module holds a one-element int64 buffer, its
+handle, which every op takes and declares mutated (``Tensor(a!)``), so that torch.compile keeps
+the calls in order and ``torch.compile(fullgraph=True)`` compiles a module calling them with no
+graph break (each op has a fake implementation giving its output's shape). In eager mode the
+layer calls the extension directly. The ops are forward only: backward through them raises a
+RuntimeError saying so. ``state_dict()`` carries the states'
+bytes (the state file), so ``torch.save`` / ``load_state_dict`` round-trip them bitwise.
+"""
+
+import itertools
+import threading
+import weakref
+
+import torch
+
+import ovq
+
+__all__ = ["Attention", "OVQAttention", "SelfAttention", "LinearAttention", "VQAttention"]
+
+# handle -> MultiHead layer, for the ops (which see tensors only).
+_LAYERS = {}
+_NEXT_HANDLE = itertools.count(1)
+_LOCK = threading.Lock()
+
+
+def _layer(handle):
+    try:
+        return _LAYERS[int(handle[0])]
+    except KeyError:
+        raise RuntimeError(f"ovq.torch: no layer has handle {int(handle[0])} (it was freed)") from None
+
+
+def _register(layer):
+    with _LOCK:
+        h = next(_NEXT_HANDLE)
+        _LAYERS[h] = layer
+    return h
+
+
+_FORWARD_ONLY = ("ovq.torch: the ovq ops are forward only; there is no backward through "
+                 "{name} (detach its inputs, or run it under torch.no_grad())")
+
+
+def _cpu(*tensors):
+    return [t.detach() for t in tensors]
+
+
+@torch.library.custom_op("ovq::forward", mutates_args=("handle",))
+def _forward_op(handle: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                threads: int) -> torch.Tensor:
+    q, k, v = _cpu(q, k, v)
+    return _layer(handle).forward(q, k, v, threads=threads)
+
+
+@_forward_op.register_fake
+def _(handle, q, k, v, threads):
+    return q.new_empty(q.shape[:-1] + (v.shape[-1],))
+
+
+@torch.library.custom_op("ovq::forward_lse", mutates_args=("handle",))
+def _forward_lse_op(handle: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    threads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, v = _cpu(q, k, v)
+    return _layer(handle).forward(q, k, v, return_lse=True, threads=threads)
+
+
+@_forward_lse_op.register_fake
+def _(handle, q, k, v, threads):
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return (q.new_empty(q.shape[:-1] + (v.shape[-1],)), q.new_empty(q.shape[:-1], dtype=lse_dtype))
+
+
+@torch.library.custom_op("ovq::step", mutates_args=("handle",))
+def _step_op(handle: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             threads: int) -> torch.Tensor:
+    q, k, v = _cpu(q, k, v)
+    return _layer(handle).step(q, k, v, threads=threads)
+
+
+@_step_op.register_fake
+def _(handle, q, k, v, threads):
+    return q.new_empty(q.shape[:-1] + (v.shape[-1],))
+
+
+@torch.library.custom_op("ovq::absorb", mutates_args=("handle",))
+def _absorb_op(handle: torch.Tensor, k: torch.Tensor, v: torch.Tensor, threads: int) -> None:
+    k, v = _cpu(k, v)
+    _layer(handle).absorb(k, v, threads=threads)
+
+
+@_absorb_op.register_fake
+def _(handle, k, v, threads):
+    return None
+
+
+class _ForwardOnly(torch.autograd.Function):
+    """Passes an output through, with a backward that says the ops have none."""
+
+    @staticmethod
+    def forward(ctx, name, out, *inputs):
+        ctx.name = name
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(_FORWARD_ONLY.format(name=ctx.name))
+
+
+def _forward_only(name, outputs, *inputs):
+    """Eager calls whose inputs require grad: outputs whose backward raises a clear error.
+    (Under torch.compile the ops' own missing autograd formula raises at backward.)"""
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
+        return outputs
+    if isinstance(outputs, tuple):
+        return tuple(_ForwardOnly.apply(name, o, *inputs) for o in outputs)
+    return _ForwardOnly.apply(name, outputs, *inputs)
+
+
+class Attention(torch.nn.Module):
+    """An ovq mixer over (B, H, T, d) tensors, with its states (a MultiHead layer).
+
+    Attention(mixer, batch, query_heads, kv_heads, dk, dv, dtype=torch.float32,
+    normalize_qk=False, threads=0, codebooks=None): normalize_qk L2-normalises q and k along
+    their last dimension first; codebooks (Hkv, S, dk) for VQ-attention. Every call continues
+    from the states; reset() forgets them.
+    """
+
+    def __init__(self, mixer, batch, query_heads, kv_heads=None, dk=None, dv=None, *,
+                 dtype=torch.float32, normalize_qk=False, threads=0, codebooks=None):
+        super().__init__()
+        self.mixer = mixer
+        self.normalize_qk = normalize_qk
+        self.threads = threads
+        self.layer = ovq.MultiHead(mixer, batch, query_heads, kv_heads, dk, dv, dtype=dtype,
+                                   codebooks=codebooks)
+        handle = _register(self.layer)
+        self.register_buffer("handle", torch.tensor([handle], dtype=torch.int64), persistent=False)
+        weakref.finalize(self, _LAYERS.pop, handle, None)
+
+    def _qk(self, q, k):
+        if self.normalize_qk:
+            q = torch.nn.functional.normalize(q, dim=-1)
+            k = torch.nn.functional.normalize(k, dim=-1)
+        return q.contiguous(), k.contiguous()
+
+    def forward(self, q, k, v, return_lse=False):
+        """(B, Hq, T, dk), (B, Hkv, T, dk), (B, Hkv, T, dv) -> (B, Hq, T, dv)
+        [, lse (B, Hq, T)]."""
+        q, k = self._qk(q, k)
+        v = v.contiguous()
+        if torch.compiler.is_compiling():
+            op = torch.ops.ovq.forward_lse if return_lse else torch.ops.ovq.forward
+            return op(self.handle, q, k, v, self.threads)
+        out = self.layer.forward(q.detach(), k.detach(), v.detach(), return_lse=return_lse,
+                                 threads=self.threads)
+        return _forward_only("ovq::forward", out, q, k, v)
+
+    def step(self, q, k, v):
+        """One token per head: (B, Hq, dk), (B, Hkv, dk), (B, Hkv, dv) -> (B, Hq, dv)."""
+        q, k = self._qk(q, k)
+        v = v.contiguous()
+        if torch.compiler.is_compiling():
+            return torch.ops.ovq.step(self.handle, q, k, v, self.threads)
+        out = self.layer.step(q.detach(), k.detach(), v.detach(), threads=self.threads)
+        return _forward_only("ovq::step", out, q, k, v)
+
+    def absorb(self, k, v):
+        """Writes (B, Hkv, T, dk), (B, Hkv, T, dv) into the states, with no outputs."""
+        if self.normalize_qk:
+            k = torch.nn.functional.normalize(k, dim=-1)
+        k, v = k.contiguous(), v.contiguous()
+        if torch.compiler.is_compiling():
+            torch.ops.ovq.absorb(self.handle, k, v, self.threads)
+        else:
+            self.layer.absorb(k.detach(), v.detach(), threads=self.threads)
+
+    def reset(self):
+        self.layer.reset()
+
+    def get_extra_state(self):
+        return torch.frombuffer(bytearray(self.layer.to_bytes()), dtype=torch.uint8)
+
+    def set_extra_state(self, state):
+        self.layer.load_bytes(state)
+
+    def extra_repr(self):
+        return (f"{self.mixer!r}, batch={self.layer.batch}, query_heads={self.layer.query_heads}, "
+                f"kv_heads={self.layer.kv_heads}, dk={self.layer.dk}, dv={self.layer.dv}, "
+                f"dtype={self.layer.dtype}, normalize_qk={self.normalize_qk}")
+
+
+def _named(mixer_cls, doc):
+    class Named(Attention):
+        __doc__ = doc
+
+        def __init__(self, batch, query_heads, kv_heads=None, dk=None, dv=None, *,
+                     dtype=torch.float32, normalize_qk=False, threads=0, codebooks=None,
+                     **options):
+            super().__init__(mixer_cls(**options), batch, query_heads, kv_heads, dk, dv,
+                             dtype=dtype, normalize_qk=normalize_qk, threads=threads,
+                             codebooks=codebooks)
+
+    Named.__name__ = Named.__qualname__ = mixer_cls.__name__
+    return Named
+
+
+OVQAttention = _named(ovq.OVQAttention, "Attention over ovq.OVQAttention(**options).")
+SelfAttention = _named(ovq.SelfAttention, "Attention over ovq.SelfAttention(**options).")
+LinearAttention = _named(ovq.LinearAttention, "Attention over ovq.LinearAttention(**options).")
+VQAttention = _named(ovq.VQAttention, "Attention over ovq.VQAttention(**options); codebooks=.")

@@ -1,0 +1,1260 @@
+// ovq._ovq: the C++ mixers, states and multi-head layers for Python (nanobind).
+//
+// The extension is the thin, checked layer between Python arrays and the library: it never
+// allocates an output (the Python package, ovq/__init__.py, does, as a NumPy array or a torch
+// tensor matching the inputs), reads every array in place through its DLPack/buffer view, and
+// refuses, with TypeError or ValueError naming the argument, anything the library cannot read
+// in place: another dtype than the state's, another rank, a non C-contiguous layout, a
+// read-only output, memory on another device, outputs overlapping inputs. The library's own
+// checks (shapes against the state, finite inputs) run before any state changes and come back
+// as ValueError. While a mixer computes the GIL is released and the state's lock held, so two
+// Python threads may share a state without a data race (they take turns).
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#include "ovq/ovq.hpp"
+#include "ovq/ref/reference.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace ovq::python {
+
+// ---- elements ----
+
+template <class S>
+constexpr nb::dlpack::dtype dlpack_dtype() {
+  if constexpr (std::is_same_v<S, bf16>) {
+    return {static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bfloat), 16, 1};
+  } else {
+    return {static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float),
+            static_cast<std::uint8_t>(8 * sizeof(S)), 1};
+  }
+}
+
+std::string dtype_name(nb::dlpack::dtype d) {
+  using C = nb::dlpack::dtype_code;
+  const auto code = static_cast<C>(d.code);
+  const char* kind = code == C::Float    ? "float"
+                     : code == C::Bfloat ? "bfloat"
+                     : code == C::Int    ? "int"
+                     : code == C::UInt   ? "uint"
+                     : code == C::Bool   ? "bool"
+                     : code == C::Complex ? "complex"
+                                          : "other";
+  return std::string(kind) + std::to_string(d.bits) + (d.lanes != 1 ? "x" + std::to_string(d.lanes) : "");
+}
+
+// The element types, in the order of the state variants.
+using Elements = std::tuple<float, double, bf16, fp16>;
+
+// Calls f(S{}) for the element named `name` ("float32", "float64", "bfloat16", "float16").
+template <class F>
+decltype(auto) with_element(const std::string& name, F&& f) {
+  if (name == "float32") return f(float{});
+  if (name == "float64") return f(double{});
+  if (name == "bfloat16") return f(bf16{});
+  if (name == "float16") return f(fp16{});
+  throw nb::type_error(("dtype " + name +
+                        " is not one ovq computes in, expected float32, float64, bfloat16 or "
+                        "float16")
+                           .c_str());
+}
+
+// ---- argument checks ----
+
+using InArray = nb::ndarray<nb::ro>;
+using OutArray = nb::ndarray<>;
+
+template <class... Parts>
+std::string str(const Parts&... parts) {
+  std::ostringstream out;
+  (out << ... << parts);
+  return out.str();
+}
+
+std::string shape_string(const nb::ndarray<nb::ro>& a) {
+  std::string s = "(";
+  for (std::size_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
+  return s + (a.ndim() == 1 ? ",)" : ")");
+}
+
+// The array seen read-only, whatever its writability (for the common checks).
+template <class A>
+InArray as_input(const A& a) {
+  return InArray(a);
+}
+
+// `name` must be a C-contiguous CPU array of `ndim` dimensions (`dims` in messages) and element S.
+template <class S>
+void check_array(const char* where, const char* name, const InArray& a, std::size_t ndim,
+                 const char* dims) {
+  if (a.device_type() != nb::device::cpu::value)
+    throw nb::type_error(str(where, ": ", name, " is on a device (DLPack device type ",
+                             a.device_type(),
+                             "), expected CPU memory: this build of ovq runs on the CPU")
+                             .c_str());
+  if (a.dtype() != dlpack_dtype<S>())
+    throw nb::type_error(str(where, ": ", name, " has dtype ", dtype_name(a.dtype()),
+                             ", expected ", element_name<S>(), " (the state's)")
+                             .c_str());
+  if (a.ndim() != ndim)
+    throw nb::value_error(str(where, ": ", name, " has shape ", shape_string(a), ", expected ",
+                              ndim, " dimensions ", dims)
+                              .c_str());
+  if (a.size() == 0) return;  // no element to address: any strides will do
+  std::int64_t expected = 1;
+  for (std::size_t i = ndim; i-- > 0;) {
+    if (a.shape(i) != 1 && a.stride(i) != expected)
+      throw nb::value_error(str(where, ": ", name, " of shape ", shape_string(a),
+                                " is not C-contiguous, expected a C-contiguous array "
+                                "(numpy.ascontiguousarray, or Tensor.contiguous())")
+                                .c_str());
+    expected *= static_cast<std::int64_t>(a.shape(i));
+  }
+}
+
+// The array as rows: its last dimension is the row, every other one stacks rows.
+template <class S>
+ConstRowsView<S> rows_of(const InArray& a) {
+  Index cols = a.ndim() == 0 ? 1 : static_cast<Index>(a.shape(a.ndim() - 1));
+  Index rows = 1;
+  for (std::size_t i = 0; i + 1 < a.ndim(); ++i) rows *= static_cast<Index>(a.shape(i));
+  return {static_cast<const S*>(a.data()), rows, cols, cols};
+}
+template <class S>
+RowsView<S> rows_of(const OutArray& a) {
+  const ConstRowsView<S> r = rows_of<S>(as_input(a));
+  return {const_cast<S*>(r.data), r.rows, r.cols, r.stride};
+}
+
+struct ByteRange {
+  const char* first;
+  const char* last;
+};
+ByteRange bytes_of(const InArray& a) {
+  const char* p = static_cast<const char*>(a.data());
+  return {p, p + a.nbytes()};
+}
+
+// Outputs must not share memory with the inputs (or each other): a read would see its own
+// results half written.
+void check_disjoint(const char* where, const char* out_name, const InArray& out,
+                    std::initializer_list<std::pair<const char*, const InArray*>> others) {
+  const ByteRange o = bytes_of(out);
+  if (o.first == o.last) return;
+  for (const auto& [name, arr] : others) {
+    if (arr == nullptr) continue;
+    const ByteRange r = bytes_of(*arr);
+    if (r.first < o.last && o.first < r.last)
+      throw nb::value_error(
+          str(where, ": ", out_name, " overlaps ", name, ", expected a separate output array")
+              .c_str());
+  }
+}
+
+// ---- threads ----
+
+// Bounds the OpenMP threads of this (calling) thread for one call; 0 keeps the default.
+class ThreadScope {
+ public:
+  explicit ThreadScope(int threads) {
+    if (threads < 0)
+      throw nb::value_error(str("threads = ", threads, ", expected >= 0 (0: OpenMP's default)").c_str());
+#if defined(_OPENMP)
+    if (threads > 0) {
+      previous_ = omp_get_max_threads();
+      omp_set_num_threads(threads);
+    }
+#endif
+  }
+  ~ThreadScope() {
+#if defined(_OPENMP)
+    if (previous_ > 0) omp_set_num_threads(previous_);
+#endif
+  }
+  ThreadScope(const ThreadScope&) = delete;
+  ThreadScope& operator=(const ThreadScope&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+// ---- options from keyword arguments, and back ----
+
+class Kwargs {
+ public:
+  Kwargs(const char* where, nb::dict d) : where_(where), d_(std::move(d)) {}
+
+  template <class T>
+  void get(const char* key, T& out) {
+    known_.push_back(key);
+    if (!d_.contains(key)) return;
+    used_.insert(key);
+    nb::handle h = d_[key];
+    if constexpr (std::is_same_v<T, bool>) {
+      if (!PyBool_Check(h.ptr()))
+        throw nb::type_error(str(where_, ": ", key, " must be a bool").c_str());
+    }
+    if constexpr (std::is_floating_point_v<T>) {
+      if (PyBool_Check(h.ptr()))
+        throw nb::type_error(str(where_, ": ", key, " must be a number, not a bool").c_str());
+    }
+    if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+      if (PyBool_Check(h.ptr()) || !PyLong_Check(h.ptr()))
+        throw nb::type_error(str(where_, ": ", key, " must be an int").c_str());
+    }
+    if (!nb::try_cast<T>(h, out, /*convert=*/true))
+      throw nb::type_error(str(where_, ": ", key, " = ", nb::repr(h).c_str(),
+                               " has the wrong type")
+                               .c_str());
+  }
+
+  void finish() const {
+    for (auto item : d_) {
+      const std::string key = nb::cast<std::string>(item.first);
+      if (used_.count(key) == 0) {
+        std::string all;
+        for (const std::string& k : known_) all += (all.empty() ? "" : ", ") + k;
+        throw nb::type_error(str(where_, "() got an unexpected keyword argument '", key,
+                                 "', expected one of: ", all)
+                                 .c_str());
+      }
+    }
+  }
+
+ private:
+  const char* where_;
+  nb::dict d_;
+  std::vector<std::string> known_;
+  std::set<std::string> used_;
+};
+
+const char* feature_map_name(FeatureMap m) {
+  return m == FeatureMap::identity ? "identity" : m == FeatureMap::elu1 ? "elu1" : "relu";
+}
+FeatureMap feature_map_of(const std::string& s) {
+  if (s == "identity") return FeatureMap::identity;
+  if (s == "elu1") return FeatureMap::elu1;
+  if (s == "relu") return FeatureMap::relu;
+  throw nb::value_error(
+      ("LinearAttention: feature_map = '" + s + "', expected 'identity', 'elu1' or 'relu'").c_str());
+}
+
+struct SelfFamily {
+  template <class S>
+  using Mixer = SelfAttention<S>;
+  using Options = SelfAttentionOptions;
+  static constexpr const char* name = "SelfAttention";
+
+  static Options options(nb::dict d) {
+    Options o;
+    Kwargs kw(name, std::move(d));
+    kw.get("beta", o.beta);
+    kw.get("causal", o.causal);
+    kw.get("window", o.window);
+    kw.get("chunk", o.chunk);
+    kw.finish();
+    o.validate();
+    return o;
+  }
+  static nb::dict dict(const Options& o) {
+    nb::dict d;
+    d["beta"] = o.beta;
+    d["causal"] = o.causal;
+    d["window"] = o.window;
+    d["chunk"] = o.chunk;
+    return d;
+  }
+};
+
+struct LinearFamily {
+  template <class S>
+  using Mixer = LinearAttention<S>;
+  using Options = LinearAttentionOptions;
+  static constexpr const char* name = "LinearAttention";
+
+  static Options options(nb::dict d) {
+    Options o;
+    Kwargs kw(name, std::move(d));
+    std::string map = feature_map_name(o.feature_map);
+    kw.get("beta", o.beta);
+    kw.get("feature_map", map);
+    kw.get("normalize", o.normalize);
+    kw.get("decay", o.decay);
+    kw.get("eps", o.eps);
+    kw.get("chunk", o.chunk);
+    kw.finish();
+    o.feature_map = feature_map_of(map);
+    o.validate();
+    return o;
+  }
+  static nb::dict dict(const Options& o) {
+    nb::dict d;
+    d["beta"] = o.beta;
+    d["feature_map"] = feature_map_name(o.feature_map);
+    d["normalize"] = o.normalize;
+    d["decay"] = o.decay;
+    d["eps"] = o.eps;
+    d["chunk"] = o.chunk;
+    return d;
+  }
+};
+
+struct VqFamily {
+  template <class S>
+  using Mixer = VqAttention<S>;
+  using Options = VqAttentionOptions;
+  static constexpr const char* name = "VQAttention";
+
+  static Options options(nb::dict d) {
+    Options o;
+    Kwargs kw(name, std::move(d));
+    kw.get("beta", o.beta);
+    kw.get("chunk", o.chunk);
+    kw.finish();
+    o.validate();
+    return o;
+  }
+  static nb::dict dict(const Options& o) {
+    nb::dict d;
+    d["beta"] = o.beta;
+    d["chunk"] = o.chunk;
+    return d;
+  }
+};
+
+struct OvqFamily {
+  template <class S>
+  using Mixer = OvqAttention<S>;
+  using Options = OvqOptions;
+  static constexpr const char* name = "OVQAttention";
+
+  static Options options(nb::dict d) {
+    Options o;
+    Kwargs kw(name, std::move(d));
+    kw.get("capacity", o.capacity);
+    kw.get("chunk", o.chunk);
+    kw.get("beta", o.beta);
+    kw.get("growth", o.growth);
+    kw.get("seeding", o.seeding);
+    kw.get("rate", o.rate);
+    kw.get("renormalize", o.renormalize);
+    kw.finish();
+    o.validate();
+    return o;
+  }
+  static nb::dict dict(const Options& o) {
+    nb::dict d;
+    d["capacity"] = o.capacity;
+    d["chunk"] = o.chunk;
+    d["beta"] = o.beta;
+    d["growth"] = o.growth;
+    d["seeding"] = o.seeding;
+    d["rate"] = o.rate;
+    d["renormalize"] = o.renormalize;
+    return d;
+  }
+};
+
+// ---- mixers and states ----
+
+template <class F>
+class PyMixer {
+ public:
+  using Options = typename F::Options;
+  template <class S>
+  using Mixer = typename F::template Mixer<S>;
+
+  explicit PyMixer(const Options& options) : options_(options) {}
+
+  const Options& options() const { return options_; }
+
+  // The mixer of element S, made on first use (its constructor checks that beta and eps are
+  // representable in S). Called with the GIL held.
+  template <class S>
+  const Mixer<S>& typed() const {
+    auto& slot = std::get<std::shared_ptr<const Mixer<S>>>(typed_);
+    if (!slot) slot = std::make_shared<const Mixer<S>>(options_);
+    return *slot;
+  }
+
+ private:
+  Options options_;
+  mutable std::tuple<std::shared_ptr<const Mixer<float>>, std::shared_ptr<const Mixer<double>>,
+                     std::shared_ptr<const Mixer<bf16>>, std::shared_ptr<const Mixer<fp16>>>
+      typed_;
+};
+
+template <class F>
+struct PyState {
+  using Options = typename F::Options;
+  template <class S>
+  using State = typename F::template Mixer<S>::State;
+  using Variant = std::variant<State<float>, State<double>, State<bf16>, State<fp16>>;
+
+  PyState(const Options& o, Variant s) : options(o), state(std::move(s)) {}
+  PyState(const PyState& other) : options(other.options), state(other.locked_copy()) {}
+  PyState& operator=(const PyState&) = delete;
+
+  Variant locked_copy() const {
+    std::lock_guard<std::mutex> lock(*mutex);
+    return state;
+  }
+
+  Options options;  // of the mixer that made or loaded it: what its file records
+  Variant state;
+  std::unique_ptr<std::mutex> mutex = std::make_unique<std::mutex>();
+};
+
+template <class S>
+using Compute = compute_t<S>;
+
+template <class F, class S>
+using MixerOf = typename F::template Mixer<S>;
+
+// What each state shows: n, the rows it holds.
+template <class S>
+Index rows_held(const KvCache<S>& s) { return s.size(); }
+template <class S>
+Index rows_held(const LinearState<S>& s) { return s.pending(); }
+template <class S>
+Index rows_held(const VqState<S>& s) { return s.codebook_size(); }
+template <class S>
+Index rows_held(const OvqState<S>& s) { return s.dictionary().size(); }
+
+template <class S>
+const Dictionary<S>* dictionary_of(const KvCache<S>&) { return nullptr; }
+template <class S>
+const Dictionary<S>* dictionary_of(const LinearState<S>&) { return nullptr; }
+template <class S>
+const Dictionary<S>* dictionary_of(const VqState<S>& s) { return &s.dictionary(); }
+template <class S>
+const Dictionary<S>* dictionary_of(const OvqState<S>& s) { return &s.dictionary(); }
+
+// ---- the calls ----
+
+template <class F>
+nb::object options_dict(const typename F::Options& o) {
+  return F::dict(o);
+}
+
+template <class F, class S>
+const MixerOf<F, S>& typed_mixer(const PyMixer<F>& m) {
+  return m.template typed<S>();
+}
+
+template <class F, class Fn>
+decltype(auto) visit(PyState<F>& st, Fn&& fn) {
+  return std::visit(std::forward<Fn>(fn), st.state);
+}
+template <class F, class Fn>
+decltype(auto) visit(const PyState<F>& st, Fn&& fn) {
+  return std::visit(std::forward<Fn>(fn), st.state);
+}
+
+template <class State>
+using element_of = typename State::scalar_type;
+
+// forward(state, q (T, dk), k (T, dk), v (T, dv), out (T, dv), lse (T) or None, threads)
+template <class F>
+void forward(const PyMixer<F>& self, PyState<F>& st, const InArray& q, const InArray& k,
+             const InArray& v, const OutArray& out, const std::optional<OutArray>& lse,
+             int threads) {
+  visit(st, [&](auto& state) {
+    using S = element_of<std::decay_t<decltype(state)>>;
+    const char* where = "forward";
+    const auto& mixer = typed_mixer<F, S>(self);
+    check_array<S>(where, "q", q, 2, "(T, dk)");
+    check_array<S>(where, "k", k, 2, "(T, dk)");
+    check_array<S>(where, "v", v, 2, "(T, dv)");
+    check_array<S>(where, "out", as_input(out), 2, "(T, dv)");
+    check_disjoint(where, "out", as_input(out), {{"q", &q}, {"k", &k}, {"v", &v}});
+    std::optional<InArray> lse_in;
+    if (lse) {
+      if (!MixerOf<F, S>::kHasLogSumExp)
+        throw nb::value_error("forward: return_lse: linear attention has no softmax, so no "
+                              "log-sum-exp");
+      lse_in = as_input(*lse);
+      check_array<Compute<S>>(where, "lse", *lse_in, 1, "(T,)");
+      if (static_cast<Index>(lse_in->shape(0)) != static_cast<Index>(q.shape(0)))
+        throw nb::value_error(str(where, ": lse has ", lse_in->shape(0), " entries, expected ",
+                                  q.shape(0), " (the rows of q)")
+                                  .c_str());
+      const InArray out_in = as_input(out);
+      check_disjoint(where, "lse", *lse_in, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out_in}});
+    }
+    const ConstRowsView<S> qv = rows_of<S>(q);
+    const RowsView<S> ov = rows_of<S>(out);
+    Compute<S>* lse_ptr = lse ? static_cast<Compute<S>*>(lse->data()) : nullptr;
+    nb::gil_scoped_release release;
+    std::lock_guard<std::mutex> lock(*st.mutex);
+    ThreadScope scope(threads);
+    mixer.forward_heads(state, &qv, 1, rows_of<S>(k), rows_of<S>(v), &ov, where,
+                        lse_ptr ? &lse_ptr : nullptr);
+  });
+}
+
+// step(state, q (dk), k (dk), v (dv), out (dv), threads)
+template <class F>
+void step(const PyMixer<F>& self, PyState<F>& st, const InArray& q, const InArray& k,
+          const InArray& v, const OutArray& out, int threads) {
+  visit(st, [&](auto& state) {
+    using S = element_of<std::decay_t<decltype(state)>>;
+    const char* where = "step";
+    const auto& mixer = typed_mixer<F, S>(self);
+    check_array<S>(where, "q", q, 1, "(dk,)");
+    check_array<S>(where, "k", k, 1, "(dk,)");
+    check_array<S>(where, "v", v, 1, "(dv,)");
+    check_array<S>(where, "out", as_input(out), 1, "(dv,)");
+    check_disjoint(where, "out", as_input(out), {{"q", &q}, {"k", &k}, {"v", &v}});
+    const ConstRowsView<S> qv = rows_of<S>(q);
+    const RowsView<S> ov = rows_of<S>(out);
+    nb::gil_scoped_release release;
+    std::lock_guard<std::mutex> lock(*st.mutex);
+    ThreadScope scope(threads);
+    mixer.forward_heads(state, &qv, 1, rows_of<S>(k), rows_of<S>(v), &ov, where);
+  });
+}
+
+// absorb(state, k (T, dk), v (T, dv), threads)
+template <class F>
+void absorb(const PyMixer<F>& self, PyState<F>& st, const InArray& k, const InArray& v,
+            int threads) {
+  visit(st, [&](auto& state) {
+    using S = element_of<std::decay_t<decltype(state)>>;
+    const char* where = "absorb";
+    const auto& mixer = typed_mixer<F, S>(self);
+    check_array<S>(where, "k", k, 2, "(T, dk)");
+    check_array<S>(where, "v", v, 2, "(T, dv)");
+    const ConstRowsView<S> kv = rows_of<S>(k);
+    const ConstRowsView<S> vv = rows_of<S>(v);
+    nb::gil_scoped_release release;
+    std::lock_guard<std::mutex> lock(*st.mutex);
+    ThreadScope scope(threads);
+    mixer.check_write(where, state, kv, vv);
+    mixer.forward_unchecked(state, nullptr, 0, kv, vv, nullptr, nullptr);
+  });
+}
+
+// The state file's element type, from its header (so that load_state needs no dtype).
+std::string file_element(const nb::bytes& data) {
+  const auto* p = static_cast<const unsigned char*>(data.data());
+  if (data.size() < io::state_detail::kHeaderSize ||
+      std::memcmp(p, io::state_detail::kMagic, sizeof io::state_detail::kMagic) != 0)
+    throw ovq::FormatError("state file: not an ovq state file (bad magic or too short)");
+  std::uint32_t code = 0;
+  for (int i = 0; i < 4; ++i) code |= std::uint32_t(p[24 + i]) << (8 * i);
+  const std::string name = io::state_detail::element_name_of(code);
+  if (name == "no element type")
+    throw ovq::FormatError("state file: element type code " + std::to_string(code) +
+                           ", expected float32, float64, float16 or bfloat16");
+  return name;
+}
+
+template <class F>
+nb::bytes encode(const PyState<F>& st) {
+  std::vector<unsigned char> bytes;
+  {
+    std::lock_guard<std::mutex> lock(*st.mutex);
+    visit(st, [&](const auto& state) {
+      using S = element_of<std::decay_t<decltype(state)>>;
+      const MixerOf<F, S> mixer(st.options);
+      bytes = io::encode_state(mixer, state);
+    });
+  }
+  return nb::bytes(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+}
+
+template <class F>
+PyState<F> decode(const typename F::Options& options, const nb::bytes& data) {
+  return with_element(file_element(data), [&](auto s) -> PyState<F> {
+    using S = decltype(s);
+    const MixerOf<F, S> mixer(options);
+    return PyState<F>(options, io::decode_state(mixer, static_cast<const unsigned char*>(data.data()),
+                                                data.size()));
+  });
+}
+
+template <class S>
+void check_codebook(const InArray& codebook) {
+  check_array<S>("make_state", "codebook", codebook, 2, "(S, dk)");
+}
+
+// ---- the multi-head layer ----
+
+template <class F>
+struct PyMultiHead {
+  template <class S>
+  using Layer = MultiHead<MixerOf<F, S>>;
+  using Variant = std::variant<Layer<float>, Layer<double>, Layer<bf16>, Layer<fp16>>;
+
+  PyMultiHead(typename F::Options o, Variant l) : options(std::move(o)), layer(std::move(l)) {}
+  PyMultiHead(const PyMultiHead& other) : options(other.options), layer(other.locked_copy()) {}
+  Variant locked_copy() const {
+    std::lock_guard<std::mutex> lock(*mutex);
+    return layer;
+  }
+  PyMultiHead& operator=(const PyMultiHead&) = delete;
+
+  typename F::Options options;
+  Variant layer;
+  std::unique_ptr<std::mutex> mutex = std::make_unique<std::mutex>();
+};
+
+template <class F>
+void mh_forward(PyMultiHead<F>& self, const InArray& q, const InArray& k, const InArray& v,
+                const OutArray& out, const std::optional<OutArray>& lse, int threads) {
+  std::visit(
+      [&](auto& layer) {
+        using S = typename std::decay_t<decltype(layer)>::Scalar;
+        const char* where = "forward";
+        check_array<S>(where, "q", q, 4, "(B, Hq, T, dk)");
+        check_array<S>(where, "k", k, 4, "(B, Hkv, T, dk)");
+        check_array<S>(where, "v", v, 4, "(B, Hkv, T, dv)");
+        check_array<S>(where, "out", as_input(out), 4, "(B, Hq, T, dv)");
+        check_disjoint(where, "out", as_input(out), {{"q", &q}, {"k", &k}, {"v", &v}});
+        const auto want = [&](const char* name, const InArray& a, Index b, Index h, Index t) {
+          if (static_cast<Index>(a.shape(0)) != b || static_cast<Index>(a.shape(1)) != h ||
+              static_cast<Index>(a.shape(2)) != t)
+            throw nb::value_error(str(where, ": ", name, " has shape ", shape_string(a),
+                                      ", expected (", b, ", ", h, ", ", t, ", ...)")
+                                      .c_str());
+        };
+        const Index t = static_cast<Index>(q.shape(2));
+        want("q", q, layer.batch(), layer.query_heads(), t);
+        want("k", k, layer.batch(), layer.kv_heads(), t);
+        want("v", v, layer.batch(), layer.kv_heads(), t);
+        want("out", as_input(out), layer.batch(), layer.query_heads(), t);
+        Compute<S>* lse_ptr = nullptr;
+        if (lse) {
+          if (!MixerOf<F, S>::kHasLogSumExp)
+            throw nb::value_error("forward: return_lse: linear attention has no softmax, so no "
+                                  "log-sum-exp");
+          const InArray lse_in = as_input(*lse);
+          check_array<Compute<S>>(where, "lse", lse_in, 3, "(B, Hq, T)");
+          want("lse", lse_in, layer.batch(), layer.query_heads(), t);
+          const InArray out_in = as_input(out);
+          check_disjoint(where, "lse", lse_in, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out_in}});
+          lse_ptr = static_cast<Compute<S>*>(lse->data());
+        }
+        const ConstRowsView<S> qv = rows_of<S>(q), kv = rows_of<S>(k), vv = rows_of<S>(v);
+        const RowsView<S> ov = rows_of<S>(out);
+        nb::gil_scoped_release release;
+        std::lock_guard<std::mutex> lock(*self.mutex);
+        ThreadScope scope(threads);
+        using Map = Eigen::Map<const RowMatrix<S>>;
+        using OutMap = Eigen::Map<RowMatrix<S>>;
+        const Map qm(qv.data, qv.rows, qv.cols), km(kv.data, kv.rows, kv.cols),
+            vm(vv.data, vv.rows, vv.cols);
+        OutMap om(ov.data, ov.rows, ov.cols);
+        if (lse_ptr) {
+          Eigen::Map<RowVector<Compute<S>>> lm(lse_ptr, qv.rows);
+          layer.forward(qm, km, vm, om, lm);
+        } else {
+          layer.forward(qm, km, vm, om);
+        }
+      },
+      self.layer);
+}
+
+template <class F>
+void mh_step(PyMultiHead<F>& self, const InArray& q, const InArray& k, const InArray& v,
+             const OutArray& out, int threads) {
+  std::visit(
+      [&](auto& layer) {
+        using S = typename std::decay_t<decltype(layer)>::Scalar;
+        const char* where = "step";
+        check_array<S>(where, "q", q, 3, "(B, Hq, dk)");
+        check_array<S>(where, "k", k, 3, "(B, Hkv, dk)");
+        check_array<S>(where, "v", v, 3, "(B, Hkv, dv)");
+        check_array<S>(where, "out", as_input(out), 3, "(B, Hq, dv)");
+        check_disjoint(where, "out", as_input(out), {{"q", &q}, {"k", &k}, {"v", &v}});
+        const ConstRowsView<S> qv = rows_of<S>(q), kv = rows_of<S>(k), vv = rows_of<S>(v);
+        const RowsView<S> ov = rows_of<S>(out);
+        nb::gil_scoped_release release;
+        std::lock_guard<std::mutex> lock(*self.mutex);
+        ThreadScope scope(threads);
+        using Map = Eigen::Map<const RowMatrix<S>>;
+        Eigen::Map<RowMatrix<S>> om(ov.data, ov.rows, ov.cols);
+        layer.step(Map(qv.data, qv.rows, qv.cols), Map(kv.data, kv.rows, kv.cols),
+                   Map(vv.data, vv.rows, vv.cols), om);
+      },
+      self.layer);
+}
+
+template <class F>
+void mh_absorb(PyMultiHead<F>& self, const InArray& k, const InArray& v, int threads) {
+  std::visit(
+      [&](auto& layer) {
+        using S = typename std::decay_t<decltype(layer)>::Scalar;
+        const char* where = "absorb";
+        check_array<S>(where, "k", k, 4, "(B, Hkv, T, dk)");
+        check_array<S>(where, "v", v, 4, "(B, Hkv, T, dv)");
+        const ConstRowsView<S> kv = rows_of<S>(k), vv = rows_of<S>(v);
+        nb::gil_scoped_release release;
+        std::lock_guard<std::mutex> lock(*self.mutex);
+        ThreadScope scope(threads);
+        using Map = Eigen::Map<const RowMatrix<S>>;
+        layer.absorb(Map(kv.data, kv.rows, kv.cols), Map(vv.data, vv.rows, vv.cols));
+      },
+      self.layer);
+}
+
+template <class F>
+nb::bytes mh_encode(const PyMultiHead<F>& self) {
+  std::vector<unsigned char> bytes;
+  {
+    std::lock_guard<std::mutex> lock(*self.mutex);
+    std::visit([&](const auto& layer) { bytes = io::encode_state(layer); }, self.layer);
+  }
+  return nb::bytes(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+}
+
+template <class F>
+void mh_decode(PyMultiHead<F>& self, const nb::bytes& data) {
+  std::lock_guard<std::mutex> lock(*self.mutex);
+  std::visit(
+      [&](auto& layer) {
+        using S = typename std::decay_t<decltype(layer)>::Scalar;
+        const std::string got = file_element(data);
+        if (got != element_name<S>())
+          throw ovq::FormatError(str("state file: elements are ", got, ", expected ",
+                                     element_name<S>(), " (the layer's)"));
+        io::decode_state(layer, static_cast<const unsigned char*>(data.data()), data.size());
+      },
+      self.layer);
+}
+
+// ---- what a state shows ----
+
+// A copy of `rows` as a NumPy array (bf16 as float32).
+template <class S>
+nb::object numpy_copy_rows(ConstRowsView<S> rows) {
+  using Out = std::conditional_t<std::is_same_v<S, bf16>, float, S>;
+  auto* copy = new std::vector<Out>(static_cast<std::size_t>(rows.rows * rows.cols));
+  for (Index i = 0; i < rows.rows; ++i)
+    for (Index c = 0; c < rows.cols; ++c)
+      (*copy)[static_cast<std::size_t>(i * rows.cols + c)] = static_cast<Out>(rows.row(i)[c]);
+  const std::size_t shape[2] = {static_cast<std::size_t>(rows.rows),
+                                static_cast<std::size_t>(rows.cols)};
+  nb::capsule free(copy, [](void* p) noexcept { delete static_cast<std::vector<Out>*>(p); });
+  return nb::ndarray<nb::numpy, nb::ro>(copy->data(), 2, shape, free, nullptr, dlpack_dtype<Out>())
+      .cast();
+}
+
+// A read-only view of `rows` kept alive by `owner` (bf16: a float32 copy, NumPy has no bf16).
+template <class S>
+nb::object numpy_view_rows(ConstRowsView<S> rows, nb::handle owner) {
+  if constexpr (std::is_same_v<S, bf16>) {
+    return numpy_copy_rows(rows);
+  } else {
+    const std::size_t shape[2] = {static_cast<std::size_t>(rows.rows),
+                                  static_cast<std::size_t>(rows.cols)};
+    const std::int64_t strides[2] = {static_cast<std::int64_t>(rows.stride), 1};
+    return nb::ndarray<nb::numpy, nb::ro>(rows.data, 2, shape, owner, strides, dlpack_dtype<S>())
+        .cast();
+  }
+}
+
+template <class T>
+nb::object numpy_view_vector(const T* data, Index n, nb::handle owner) {
+  const std::size_t shape[1] = {static_cast<std::size_t>(n)};
+  return nb::ndarray<nb::numpy, nb::ro>(data, 1, shape, owner, nullptr, nb::dtype<T>())
+      .cast();
+}
+
+// ---- the double-precision references (ovq/ref/reference.hpp), for the tests ----
+
+ref::Matrix reference_of(const SelfAttentionOptions& o, const ref::Matrix& q, const ref::Matrix& k,
+                         const ref::Matrix& v, const ref::Matrix*) {
+  return ref::self_attention(q, k, v, o.beta, o.causal, o.window);
+}
+ref::Matrix reference_of(const LinearAttentionOptions& o, const ref::Matrix& q,
+                         const ref::Matrix& k, const ref::Matrix& v, const ref::Matrix*) {
+  return ref::linear_attention(q, k, v, o);
+}
+ref::Matrix reference_of(const VqAttentionOptions& o, const ref::Matrix& q, const ref::Matrix& k,
+                         const ref::Matrix& v, const ref::Matrix* codebook) {
+  if (codebook == nullptr) throw nb::value_error("reference: VQ-attention needs its codebook");
+  return ref::vq_attention(q, k, v, *codebook, o.beta);
+}
+ref::Matrix reference_of(const OvqOptions& o, const ref::Matrix& q, const ref::Matrix& k,
+                         const ref::Matrix& v, const ref::Matrix*) {
+  return ref::ovq_attention(q, k, v, o);
+}
+
+ref::Matrix matrix_of(const InArray& a, const char* name) {
+  check_array<double>("reference", name, a, 2, "(T, d)");
+  const ConstRowsView<double> r = rows_of<double>(a);
+  return Eigen::Map<const RowMatrix<double>>(r.data, r.rows, r.cols);
+}
+
+template <class F>
+nb::object reference(const PyMixer<F>& self, const InArray& q, const InArray& k, const InArray& v,
+                     const std::optional<InArray>& codebook) {
+  const ref::Matrix qm = matrix_of(q, "q"), km = matrix_of(k, "k"), vm = matrix_of(v, "v");
+  std::optional<ref::Matrix> cb;
+  if (codebook) cb = matrix_of(*codebook, "codebook");
+  ref::Matrix o;
+  {
+    nb::gil_scoped_release release;
+    o = reference_of(self.options(), qm, km, vm, cb ? &*cb : nullptr);
+  }
+  return numpy_copy_rows<double>({o.data(), o.rows(), o.cols(), o.cols()});
+}
+
+// ---- binding ----
+
+template <class F>
+void bind_state_common(nb::class_<PyState<F>>& cls) {
+  using St = PyState<F>;
+  cls.def_prop_ro("dtype", [](const St& s) {
+       return visit(s, [](const auto& state) {
+         return std::string(element_name<element_of<std::decay_t<decltype(state)>>>());
+       });
+     }, "The element type of its rows: 'float32', 'float64', 'bfloat16' or 'float16'.")
+      .def_prop_ro("dk", [](const St& s) { return visit(s, [](const auto& x) { return x.key_dim(); }); })
+      .def_prop_ro("dv", [](const St& s) { return visit(s, [](const auto& x) { return x.value_dim(); }); })
+      .def_prop_ro("t", [](const St& s) {
+         std::lock_guard<std::mutex> lock(*s.mutex);
+         return visit(s, [](const auto& x) { return x.tokens(); });
+       }, "Tokens the state has seen.")
+      .def_prop_ro("n", [](const St& s) {
+         std::lock_guard<std::mutex> lock(*s.mutex);
+         return visit(s, [](const auto& x) { return rows_held(x); });
+       }, "Rows it holds: the cache's rows (self), pending rows (linear), codebook rows (VQ), "
+          "dictionary rows (OVQ).")
+      .def_prop_ro("bytes", [](const St& s) {
+         std::lock_guard<std::mutex> lock(*s.mutex);
+         return visit(s, [](const auto& x) { return x.bytes(); });
+       }, "Bytes of memory its contents take.")
+      .def("reset", [](St& s) {
+         std::lock_guard<std::mutex> lock(*s.mutex);
+         visit(s, [](auto& x) { x.reset(); });
+       }, "Forgets every token (a VQ state keeps its codebook).")
+      .def("__copy__", [](const St& s) { return St(s); })
+      .def("__deepcopy__", [](const St& s, nb::handle) { return St(s); }, "memo"_a)
+      .def("__eq__", [](const St& a, const St& b) {
+         if (&a == &b) return true;
+         const typename St::Variant x = a.locked_copy();
+         std::lock_guard<std::mutex> lock(*b.mutex);
+         return x == b.state;
+       })
+      .def("__getstate__", [](const St& s) {
+         return std::make_tuple(nb::object(F::dict(s.options)), encode(s));
+       })
+      .def("__setstate__", [](St& s, const std::tuple<nb::dict, nb::bytes>& t) {
+         new (&s) St(decode<F>(F::options(std::get<0>(t)), std::get<1>(t)));
+       })
+      .def("to_bytes", [](const St& s) { return encode(s); },
+           "The state file's bytes (what save_state writes): bitwise the state.")
+      .def("options", [](const St& s) { return F::dict(s.options); },
+           "The options of the mixer that made it.");
+  cls.attr("__hash__") = nb::none();
+}
+
+template <class F>
+nb::class_<PyMixer<F>> bind_mixer(nb::module_& m, const char* layer_name) {
+  using M = PyMixer<F>;
+  using St = PyState<F>;
+
+  auto cls = nb::class_<M>(m, (std::string("_") + F::name).c_str());
+  cls.def("__init__", [](M* self, nb::kwargs kw) { new (self) M(F::options(nb::dict(kw))); })
+      .def("options", [](const M& self) { return F::dict(self.options()); })
+      .def("_check_dtype", [](const M& self, const std::string& dtype) {
+         with_element(dtype, [&](auto s) { typed_mixer<F, decltype(s)>(self); });
+       })
+      .def("_forward", &forward<F>, "state"_a, "q"_a, "k"_a, "v"_a, "out"_a,
+           "lse"_a.none(), "threads"_a)
+      .def("_step", &step<F>, "state"_a, "q"_a, "k"_a, "v"_a, "out"_a, "threads"_a)
+      .def("_absorb", &absorb<F>, "state"_a, "k"_a, "v"_a, "threads"_a)
+      .def("_decode", [](const M& self, const nb::bytes& data) { return decode<F>(self.options(), data); })
+      .def("_reference", &reference<F>, "q"_a, "k"_a, "v"_a, "codebook"_a.none() = nb::none(),
+           "The double-precision reference of MATH.md over float64 q, k, v (tests).")
+      .def("_matches", [](const M& self, const St& s) {
+         // The mixer can run the state: its shape options agree (capacity, chunk, window).
+         return visit(s, [&](const auto& state) {
+           using S = element_of<std::decay_t<decltype(state)>>;
+           try {
+             typed_mixer<F, S>(self).check_state("forward", state);
+             return true;
+           } catch (const ovq::ArgumentError&) {
+             return false;
+           }
+         });
+       });
+
+  // The multi-head layer of this mixer.
+  using L = PyMultiHead<F>;
+  auto layer = nb::class_<L>(m, layer_name);
+  layer.def_prop_ro("dtype", [](const L& l) {
+         return std::visit([](const auto& x) { return std::string(element_name<typename std::decay_t<decltype(x)>::Scalar>()); }, l.layer);
+       })
+      .def_prop_ro("batch", [](const L& l) { return std::visit([](const auto& x) { return x.batch(); }, l.layer); })
+      .def_prop_ro("query_heads", [](const L& l) { return std::visit([](const auto& x) { return x.query_heads(); }, l.layer); })
+      .def_prop_ro("kv_heads", [](const L& l) { return std::visit([](const auto& x) { return x.kv_heads(); }, l.layer); })
+      .def_prop_ro("dk", [](const L& l) { return std::visit([](const auto& x) { return x.key_dim(); }, l.layer); })
+      .def_prop_ro("dv", [](const L& l) { return std::visit([](const auto& x) { return x.value_dim(); }, l.layer); })
+      .def_prop_ro("bytes", [](const L& l) {
+         std::lock_guard<std::mutex> lock(*l.mutex);
+         return std::visit([](const auto& x) { return x.bytes(); }, l.layer);
+       })
+      .def("reset", [](L& l) {
+         std::lock_guard<std::mutex> lock(*l.mutex);
+         std::visit([](auto& x) { x.reset(); }, l.layer);
+       })
+      .def("state", [](const L& l, Index b, Index h) {
+         std::lock_guard<std::mutex> lock(*l.mutex);
+         return std::visit([&](const auto& x) {
+           return St(l.options, typename St::Variant(x.state(b, h)));
+         }, l.layer);
+       }, "b"_a, "kv_head"_a, "A copy of the state of batch entry b, key/value head kv_head.")
+      .def("_forward", &mh_forward<F>, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(), "threads"_a)
+      .def("_step", &mh_step<F>, "q"_a, "k"_a, "v"_a, "out"_a, "threads"_a)
+      .def("_absorb", &mh_absorb<F>, "k"_a, "v"_a, "threads"_a)
+      .def("to_bytes", &mh_encode<F>)
+      .def("_load_bytes", &mh_decode<F>)
+      .def("__copy__", [](const L& l) { return L(l); })
+      .def("__deepcopy__", [](const L& l, nb::handle) { return L(l); }, "memo"_a);
+  return cls;
+}
+
+template <class F>
+void bind_dims_state(nb::class_<PyMixer<F>>& cls) {
+  using M = PyMixer<F>;
+  cls.def("_make_state", [](const M& self, Index dk, Index dv, const std::string& dtype) {
+    return with_element(dtype, [&](auto s) {
+      using S = decltype(s);
+      return PyState<F>(self.options(),
+                        typename PyState<F>::Variant(typed_mixer<F, S>(self).make_state(dk, dv)));
+    });
+  });
+  cls.def("_make_layer", [](const M& self, Index batch, Index hq, Index hkv, Index dk, Index dv,
+                            const std::string& dtype) {
+    return with_element(dtype, [&](auto s) {
+      using S = decltype(s);
+      return PyMultiHead<F>(self.options(), typename PyMultiHead<F>::Variant(MultiHead<MixerOf<F, S>>(
+                                                typed_mixer<F, S>(self), batch, hq, hkv, dk, dv)));
+    });
+  });
+}
+
+template <class S>
+ConstRowsView<S> codebook_rows(const InArray& a, Index first, Index rows) {
+  const ConstRowsView<S> all = rows_of<S>(a);
+  return {all.data + first * all.cols, rows, all.cols, all.cols};
+}
+
+void bind_vq_state(nb::class_<PyMixer<VqFamily>>& cls) {
+  using F = VqFamily;
+  using M = PyMixer<F>;
+  cls.def("_make_state", [](const M& self, const InArray& codebook, Index dv) {
+    const std::string dtype = [&] {
+      for (const char* name : {"float32", "float64", "bfloat16", "float16"}) {
+        bool match = with_element(name, [&](auto s) { return codebook.dtype() == dlpack_dtype<decltype(s)>(); });
+        if (match) return std::string(name);
+      }
+      throw nb::type_error(str("make_state: codebook has dtype ", dtype_name(codebook.dtype()),
+                               ", expected float32, float64, bfloat16 or float16").c_str());
+    }();
+    return with_element(dtype, [&](auto s) {
+      using S = decltype(s);
+      check_codebook<S>(codebook);
+      const auto& mixer = typed_mixer<F, S>(self);
+      const ConstRowsView<S> cb = rows_of<S>(codebook);
+      Eigen::Map<const RowMatrix<S>> map(cb.data, cb.rows, cb.cols);
+      return PyState<F>(self.options(), typename PyState<F>::Variant(mixer.make_state(map, dv)));
+    });
+  });
+  // codebooks: (Hkv, S, dk), one codebook per key/value head.
+  cls.def("_make_layer", [](const M& self, Index batch, Index hq, const InArray& codebooks, Index dv) {
+    const std::string dtype = [&] {
+      for (const char* name : {"float32", "float64", "bfloat16", "float16"}) {
+        bool match = with_element(name, [&](auto s) { return codebooks.dtype() == dlpack_dtype<decltype(s)>(); });
+        if (match) return std::string(name);
+      }
+      throw nb::type_error(str("MultiHead: codebooks have dtype ", dtype_name(codebooks.dtype()),
+                               ", expected float32, float64, bfloat16 or float16").c_str());
+    }();
+    return with_element(dtype, [&](auto s) {
+      using S = decltype(s);
+      check_array<S>("MultiHead", "codebooks", codebooks, 3, "(Hkv, S, dk)");
+      const auto& mixer = typed_mixer<F, S>(self);
+      const Index hkv = static_cast<Index>(codebooks.shape(0));
+      const Index size = static_cast<Index>(codebooks.shape(1));
+      std::vector<typename MixerOf<F, S>::State> states;
+      for (Index h = 0; h < hkv; ++h) {
+        const ConstRowsView<S> cb = codebook_rows<S>(codebooks, h * size, size);
+        Eigen::Map<const RowMatrix<S>> map(cb.data, cb.rows, cb.cols);
+        states.push_back(mixer.make_state(map, dv));
+      }
+      return PyMultiHead<F>(self.options(), typename PyMultiHead<F>::Variant(
+                                                MultiHead<MixerOf<F, S>>(mixer, batch, hq, std::move(states))));
+    });
+  });
+}
+
+template <class F, class Get>
+auto locked_view(Get get) {
+  return [get](nb::handle self_obj) {
+    const PyState<F>& s = nb::cast<const PyState<F>&>(self_obj);
+    std::lock_guard<std::mutex> lock(*s.mutex);
+    return visit(s, [&](const auto& x) { return get(x, self_obj); });
+  };
+}
+
+void bind_views(nb::class_<PyState<SelfFamily>>& cls) {
+  using F = SelfFamily;
+  // Copies: the cache's buffer moves as it grows.
+  cls.def_prop_ro("keys", locked_view<F>([](const auto& x, nb::handle) { return numpy_copy_rows(x.keys()); }),
+                  "The cached keys (n, dk), a copy (the cache's buffer moves as it grows).")
+      .def_prop_ro("values", locked_view<F>([](const auto& x, nb::handle) { return numpy_copy_rows(x.values()); }),
+                   "The cached values (n, dv), a copy.");
+}
+
+void bind_views(nb::class_<PyState<LinearFamily>>& cls) {
+  using F = LinearFamily;
+  cls.def_prop_ro("kv", locked_view<F>([](const auto& x, nb::handle owner) {
+         const auto& kv = x.kv();
+         return numpy_view_rows(ConstRowsView<std::decay_t<decltype(*kv.data())>>{kv.data(), kv.rows(), kv.cols(), kv.cols()}, owner);
+       }), "S (dk, dv) over the complete chunks, a read-only view (fp32 for 16-bit elements).")
+      .def_prop_ro("k_sum", locked_view<F>([](const auto& x, nb::handle owner) {
+         return numpy_view_vector(x.k_sum().data(), x.k_sum().size(), owner);
+       }), "z (dk) over the complete chunks, a read-only view.")
+      .def_prop_ro("keys", locked_view<F>([](const auto& x, nb::handle) { return numpy_copy_rows(x.pending_keys()); }),
+                   "The pending chunk's keys (n, dk), a copy.")
+      .def_prop_ro("values", locked_view<F>([](const auto& x, nb::handle) { return numpy_copy_rows(x.pending_values()); }),
+                   "The pending chunk's values (n, dv), a copy.");
+}
+
+template <class F>
+void bind_dictionary_views(nb::class_<PyState<F>>& cls) {
+  cls.def_prop_ro("keys", locked_view<F>([](const auto& x, nb::handle owner) {
+         return numpy_view_rows(dictionary_of(x)->keys(), owner);
+       }), "D_k (n, dk): the active rows as the reads see them, a read-only view.")
+      .def_prop_ro("values", locked_view<F>([](const auto& x, nb::handle owner) {
+         return numpy_view_rows(dictionary_of(x)->values(), owner);
+       }), "D_v (n, dv), a read-only view.")
+      .def_prop_ro("counts", locked_view<F>([](const auto& x, nb::handle owner) {
+         const auto* d = dictionary_of(x);
+         return numpy_view_vector(d->counts(), d->size(), owner);
+       }), "Tokens assigned to each active row (n,), int64, a read-only view.")
+      .def_prop_ro("pending", locked_view<F>([](const auto& x, nb::handle) { return x.pending(); }),
+                   "Tokens of the current chunk, not yet written into the dictionary.");
+}
+
+// ---- policies ----
+
+void bind_policies(nb::module_& m) {
+  nb::class_<Growth>(m, "Growth", "How the OVQ dictionary grows: Growth.dirichlet(alpha) or Growth.linear(rate).")
+      .def_static("dirichlet", [](double alpha) {
+         Growth g = Growth::dirichlet(alpha);
+         g.validate("Growth.dirichlet");
+         return g;
+       }, "alpha"_a = 0.0,
+       "G(t) = ceil(N (1 - (1 + t / alpha)^(-alpha / N))); alpha = 0: the capacity N.")
+      .def_static("linear", [](double rate) {
+         Growth g = Growth::linear(rate);
+         g.validate("Growth.linear");
+         return g;
+       }, "rate"_a = 1.0, "G(t) = ceil(rate t).")
+      .def_prop_ro("kind", [](const Growth& g) { return g.kind == Growth::Kind::dirichlet ? "dirichlet" : "linear"; })
+      .def_ro("alpha", &Growth::alpha)
+      .def_ro("rate", &Growth::rate)
+      .def("target", [](const Growth& g, std::int64_t t, Index capacity) { return g.target(t, capacity); },
+           "t"_a, "capacity"_a, "min(N, G(t)).")
+      .def("__eq__", [](const Growth& a, const Growth& b) { return a.kind == b.kind && a.alpha == b.alpha && a.rate == b.rate; })
+      .def("__repr__", [](const Growth& g) {
+         return g.kind == Growth::Kind::dirichlet ? str("Growth.dirichlet(alpha=", g.alpha, ")")
+                                                  : str("Growth.linear(rate=", g.rate, ")");
+       })
+      .def("__getstate__", [](const Growth& g) { return std::make_tuple(int(g.kind), g.alpha, g.rate); })
+      .def("__setstate__", [](Growth& g, const std::tuple<int, double, double>& t) {
+         new (&g) Growth{std::get<0>(t) == 0 ? Growth::Kind::dirichlet : Growth::Kind::linear, std::get<1>(t), std::get<2>(t)};
+       });
+  nb::class_<Seeding>(m, "Seeding", "How new OVQ centroids are chosen: Seeding.spread() or Seeding.random(seed).")
+      .def_static("spread", &Seeding::spread, "Greedy spread-maximising: the chunk key least similar to every centroid so far.")
+      .def_static("random", &Seeding::random, "seed"_a, "Distinct chunk rows from a generator seeded with (seed, chunk index).")
+      .def_prop_ro("kind", [](const Seeding& s) { return s.kind == Seeding::Kind::spread ? "spread" : "random"; })
+      .def_ro("seed", &Seeding::seed)
+      .def("__eq__", [](const Seeding& a, const Seeding& b) { return a.kind == b.kind && a.seed == b.seed; })
+      .def("__repr__", [](const Seeding& s) {
+         return s.kind == Seeding::Kind::spread ? std::string("Seeding.spread()") : str("Seeding.random(seed=", s.seed, ")");
+       })
+      .def("__getstate__", [](const Seeding& s) { return std::make_tuple(int(s.kind), s.seed); })
+      .def("__setstate__", [](Seeding& s, const std::tuple<int, std::uint64_t>& t) {
+         new (&s) Seeding{std::get<0>(t) == 0 ? Seeding::Kind::spread : Seeding::Kind::random, std::get<1>(t)};
+       });
+  nb::class_<UpdateRate>(m, "UpdateRate", "How a centroid moves: UpdateRate.adaptive() (running mean) or UpdateRate.constant(eta).")
+      .def_static("adaptive", &UpdateRate::adaptive, "Running mean, rate cnt / (c + cnt).")
+      .def_static("constant", [](double eta) {
+         UpdateRate r = UpdateRate::constant(eta);
+         r.validate("UpdateRate.constant");
+         return r;
+       }, "eta"_a, "D = (1 - eta) D + eta mean(new members).")
+      .def_prop_ro("kind", [](const UpdateRate& r) { return r.kind == UpdateRate::Kind::adaptive ? "adaptive" : "constant"; })
+      .def_ro("eta", &UpdateRate::eta)
+      .def("__eq__", [](const UpdateRate& a, const UpdateRate& b) { return a.kind == b.kind && a.eta == b.eta; })
+      .def("__repr__", [](const UpdateRate& r) {
+         return r.kind == UpdateRate::Kind::adaptive ? std::string("UpdateRate.adaptive()") : str("UpdateRate.constant(eta=", r.eta, ")");
+       })
+      .def("__getstate__", [](const UpdateRate& r) { return std::make_tuple(int(r.kind), r.eta); })
+      .def("__setstate__", [](UpdateRate& r, const std::tuple<int, double>& t) {
+         new (&r) UpdateRate{std::get<0>(t) == 0 ? UpdateRate::Kind::adaptive : UpdateRate::Kind::constant, std::get<1>(t)};
+       });
+}
+
+// ---- free functions ----
+
+// merge(o_a, lse_a, o_b, lse_b): folds b into a, in place. o: (..., d), lse: (...).
+void merge(const OutArray& o_a, const OutArray& lse_a, const InArray& o_b, const InArray& lse_b) {
+  const char* where = "merge";
+  const InArray oa = as_input(o_a), la = as_input(lse_a);
+  auto run = [&](auto s) {
+    using S = decltype(s);
+    using C = Compute<S>;
+    check_array<S>(where, "o_a", oa, oa.ndim(), "");
+    check_array<S>(where, "o_b", o_b, oa.ndim(), "(the rank of o_a)");
+    check_array<C>(where, "lse_a", la, oa.ndim() == 0 ? 0 : oa.ndim() - 1, "(o_a's without its last)");
+    check_array<C>(where, "lse_b", lse_b, la.ndim(), "(lse_a's)");
+    for (std::size_t i = 0; i < oa.ndim(); ++i)
+      if (oa.shape(i) != o_b.shape(i))
+        throw nb::value_error(str(where, ": o_b has shape ", shape_string(o_b), ", expected o_a's ", shape_string(oa)).c_str());
+    for (std::size_t i = 0; i < la.ndim(); ++i)
+      if (la.shape(i) != oa.shape(i) || lse_b.shape(i) != oa.shape(i))
+        throw nb::value_error(str(where, ": lse_a ", shape_string(la), " and lse_b ", shape_string(lse_b),
+                                  " must have o_a's shape without its last dimension, ", shape_string(oa)).c_str());
+    check_disjoint(where, "o_a", oa, {{"lse_a", &la}, {"o_b", &o_b}, {"lse_b", &lse_b}});
+    check_disjoint(where, "lse_a", la, {{"o_b", &o_b}, {"lse_b", &lse_b}});
+    const RowsView<S> a = rows_of<S>(o_a);
+    const ConstRowsView<S> b = rows_of<S>(o_b);
+    nb::gil_scoped_release release;
+    merge_partials(a, static_cast<C*>(lse_a.data()), b, static_cast<const C*>(lse_b.data()));
+  };
+  if (oa.ndim() < 1) throw nb::value_error("merge: o_a must have at least one dimension");
+  for (const char* name : {"float32", "float64", "bfloat16", "float16"}) {
+    const bool match = with_element(name, [&](auto s) { return oa.dtype() == dlpack_dtype<decltype(s)>(); });
+    if (match) return with_element(name, run);
+  }
+  throw nb::type_error(str(where, ": o_a has dtype ", dtype_name(oa.dtype()),
+                           ", expected float32, float64, bfloat16 or float16").c_str());
+}
+
+// fit_codebook(keys (n, dk), size, ...) -> (size, dk), of keys' dtype (float32 or float64).
+nb::object fit_codebook_py(const InArray& keys, Index size, Index max_iterations, double tolerance,
+                           std::uint64_t seed) {
+  KMeansOptions opt;
+  opt.max_iterations = max_iterations;
+  opt.tolerance = tolerance;
+  opt.seed = seed;
+  auto run = [&](auto s) -> nb::object {
+    using S = decltype(s);
+    check_array<S>("fit_codebook", "keys", keys, 2, "(n, dk)");
+    const ConstRowsView<S> k = rows_of<S>(keys);
+    RowMatrix<S> c;
+    {
+      nb::gil_scoped_release release;
+      c = fit_codebook<S>(Eigen::Map<const RowMatrix<S>>(k.data, k.rows, k.cols), size, opt);
+    }
+    return numpy_copy_rows<S>({c.data(), c.rows(), c.cols(), c.cols()});
+  };
+  if (keys.dtype() == dlpack_dtype<float>()) return run(float{});
+  if (keys.dtype() == dlpack_dtype<double>()) return run(double{});
+  throw nb::type_error(str("fit_codebook: keys have dtype ", dtype_name(keys.dtype()),
+                           ", expected float32 or float64").c_str());
+}
+
+}  // namespace ovq::python
+
+NB_MODULE(_ovq, m) {
+  using namespace ovq::python;
+  m.doc() = "ovq's C++ mixers, states and layers; use the ovq package, which wraps this module.";
+
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const ovq::ArgumentError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const ovq::FormatError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const ovq::IoError& e) {
+      PyErr_SetString(PyExc_OSError, e.what());
+    }
+  });
+
+  bind_policies(m);
+
+  // The states first: the mixers' signatures name them.
+  nb::class_<PyState<SelfFamily>> self_state(m, "SelfAttentionState", "A key/value cache.");
+  bind_state_common<SelfFamily>(self_state);
+  bind_views(self_state);
+  nb::class_<PyState<LinearFamily>> linear_state(m, "LinearAttentionState",
+                                                 "Linear attention's sums S, z and pending rows.");
+  bind_state_common<LinearFamily>(linear_state);
+  bind_views(linear_state);
+  nb::class_<PyState<VqFamily>> vq_state(m, "VQAttentionState",
+                                         "A fixed codebook with running-mean values and counts.");
+  bind_state_common<VqFamily>(vq_state);
+  bind_dictionary_views<VqFamily>(vq_state);
+  nb::class_<PyState<OvqFamily>> ovq_state(m, "OVQAttentionState",
+                                           "The online dictionary and its pending chunk.");
+  bind_state_common<OvqFamily>(ovq_state);
+  bind_dictionary_views<OvqFamily>(ovq_state);
+
+  auto self_cls = bind_mixer<SelfFamily>(m, "_SelfAttentionLayer");
+  bind_dims_state<SelfFamily>(self_cls);
+  auto linear_cls = bind_mixer<LinearFamily>(m, "_LinearAttentionLayer");
+  bind_dims_state<LinearFamily>(linear_cls);
+  linear_cls.def("_chain", [](const PyMixer<LinearFamily>& self, const PyState<LinearFamily>& prefix,
+                              const PyState<LinearFamily>& summary) {
+    const auto a = prefix.locked_copy();
+    const auto b = summary.locked_copy();
+    if (a.index() != b.index())
+      throw nb::type_error("chain: prefix and summary have different dtypes");
+    return std::visit([&](const auto& pa) {
+      using State = std::decay_t<decltype(pa)>;
+      using S = element_of<State>;
+      const State& pb = std::get<State>(b);
+      return PyState<LinearFamily>(self.options(), typename PyState<LinearFamily>::Variant(
+                                                       typed_mixer<LinearFamily, S>(self).chain(pa, pb)));
+    }, a);
+  }, "prefix"_a, "summary"_a);
+  auto vq_cls = bind_mixer<VqFamily>(m, "_VQAttentionLayer");
+  bind_vq_state(vq_cls);
+  auto ovq_cls = bind_mixer<OvqFamily>(m, "_OVQAttentionLayer");
+  bind_dims_state<OvqFamily>(ovq_cls);
+
+  m.def("_merge", &merge, "o_a"_a, "lse_a"_a, "o_b"_a, "lse_b"_a);
+  m.def("_fit_codebook", &fit_codebook_py, "keys"_a, "size"_a, "max_iterations"_a, "tolerance"_a,
+        "seed"_a);
+  m.def("_file_dtype", [](const nb::bytes& data) { return file_element(data); });
+#if defined(_OPENMP)
+  m.attr("openmp") = true;
+#else
+  m.attr("openmp") = false;
+#endif
+  m.attr("simd") = ovq::arch::native::kName;
+}
