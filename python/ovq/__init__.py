@@ -17,6 +17,7 @@ The GIL is released while a mixer computes; ``threads=`` bounds its OpenMP threa
 """
 
 import os
+import sys
 import tempfile
 
 import numpy as np
@@ -87,12 +88,37 @@ def _is_torch(x):
     return type(x).__module__.startswith("torch")
 
 
+def _view(x):
+    """For the extension's less frequent calls (merge, codebooks): a CPU torch tensor as the
+    NumPy array sharing its memory; bfloat16 tensors (NumPy has no bfloat16), tensors on a
+    device and anything else as they are, for the extension to read or to name what is wrong
+    with them. (The mixers' calls read tensors directly.)"""
+    global _BFLOAT16
+    if not type(x).__module__.startswith("torch"):
+        return x
+    if _BFLOAT16 is None:
+        _BFLOAT16 = sys.modules["torch"].bfloat16
+    if x.dtype is _BFLOAT16 or x.is_cuda:
+        return x
+    try:
+        return (x.detach() if x.requires_grad else x).numpy()
+    except (TypeError, RuntimeError):
+        return x
+
+
+_BFLOAT16 = None  # torch.bfloat16, once a tensor has been seen (ovq does not import torch)
+
+
+_TORCH_DTYPES = {}  # dtype name -> torch dtype, once a tensor has been seen
+
+
 def _empty(like, shape, dtype_name):
     """An uninitialised array of the kind of `like` (NumPy or torch, on its device)."""
-    if _is_torch(like):
-        import torch
-
-        return torch.empty(shape, dtype=getattr(torch, dtype_name), device=like.device)
+    if type(like).__module__.startswith("torch"):
+        if not _TORCH_DTYPES:
+            torch = sys.modules["torch"]
+            _TORCH_DTYPES.update((n, getattr(torch, n)) for n in _DTYPES)
+        return like.new_empty(shape, dtype=_TORCH_DTYPES[dtype_name])
     if dtype_name == "bfloat16":
         raise TypeError("bfloat16 needs torch tensors: NumPy has no bfloat16")
     return np.empty(shape, dtype=dtype_name)
@@ -247,7 +273,7 @@ class VQAttention(_Mixer):
         """A state over `codebook` (S, dk; its dtype is the state's) with values of width dv."""
         if _is_torch(codebook):
             codebook = codebook.detach()
-        return self._impl._make_state(codebook, dv)
+        return self._impl._make_state(_view(codebook), dv)
 
 
 class OVQAttention(_Mixer):
@@ -286,7 +312,7 @@ class MultiHead:
                                  "(one codebook per key/value head)")
             if _is_torch(codebooks):
                 codebooks = codebooks.detach()
-            self._impl = mixer._impl._make_layer(batch, query_heads, codebooks, dv)
+            self._impl = mixer._impl._make_layer(batch, query_heads, _view(codebooks), dv)
         else:
             if codebooks is not None:
                 raise TypeError("codebooks= is for VQAttention only")
@@ -295,24 +321,25 @@ class MultiHead:
             self._impl = mixer._impl._make_layer(batch, query_heads, kv_heads, dk, dv,
                                                  _dtype_name(dtype))
 
-    dtype = property(lambda self: self._impl.dtype)
-    batch = property(lambda self: self._impl.batch)
-    query_heads = property(lambda self: self._impl.query_heads)
-    kv_heads = property(lambda self: self._impl.kv_heads)
-    dk = property(lambda self: self._impl.dk)
-    dv = property(lambda self: self._impl.dv)
+        self._cache_shape()
+
+    def _cache_shape(self):
+        # Plain attributes: read on every call, cheaper than the extension's properties.
+        impl = self._impl
+        self.dtype, self.batch, self.query_heads = impl.dtype, impl.batch, impl.query_heads
+        self.kv_heads, self.dk, self.dv = impl.kv_heads, impl.dk, impl.dv
+
     bytes = property(lambda self: self._impl.bytes, doc="Bytes of memory the states take.")
 
     def forward(self, q, k, v, *, out=None, return_lse=False, threads=0):
         """(B, Hq, T, dk), (B, Hkv, T, dk), (B, Hkv, T, dv) -> (B, Hq, T, dv) [, lse (B, Hq, T)]."""
-        b, hq = self._impl.batch, self._impl.query_heads
         four = _ndim(q, "q") == 4
         if out is None:
-            out = (_empty(q, (b, hq, q.shape[2], self._impl.dv), self.dtype)
+            out = (_empty(q, (self.batch, self.query_heads, q.shape[2], self.dv), self.dtype)
                    if four else _PLACEHOLDER)
         lse = None
         if return_lse:
-            lse = _empty(q, (b, hq, q.shape[2]) if four else (0, 0, 0),
+            lse = _empty(q, (self.batch, self.query_heads, q.shape[2]) if four else (0, 0, 0),
                          _compute_dtype(self.dtype))
         self._impl._forward(q, k, v, out, lse, threads)
         return (out, lse) if return_lse else out
@@ -320,8 +347,8 @@ class MultiHead:
     def step(self, q, k, v, *, out=None, threads=0):
         """One token per head: (B, Hq, dk), (B, Hkv, dk), (B, Hkv, dv) -> (B, Hq, dv)."""
         if out is None:
-            out = (_empty(q, (self._impl.batch, self._impl.query_heads, self._impl.dv),
-                          self.dtype) if _ndim(q, "q") == 3 else _PLACEHOLDER)
+            out = (_empty(q, (self.batch, self.query_heads, self.dv), self.dtype)
+                   if _ndim(q, "q") == 3 else _PLACEHOLDER)
         self._impl._step(q, k, v, out, threads)
         return out
 
@@ -348,6 +375,7 @@ class MultiHead:
         other = object.__new__(MultiHead)
         other.mixer = self.mixer
         other._impl = self._impl.__copy__()
+        other._cache_shape()
         return other
 
     def __deepcopy__(self, memo):
@@ -390,7 +418,7 @@ def merge(o_a, lse_a, o_b, lse_b):
         o_b, lse_b = o_b.detach(), lse_b.detach()
     else:
         o, lse = np.array(o_a, copy=True), np.array(lse_a, copy=True)
-    _ovq._merge(o, lse, o_b, lse_b)
+    _ovq._merge(_view(o), _view(lse), _view(o_b), _view(lse_b))
     return o, lse
 
 
@@ -399,7 +427,7 @@ def fit_codebook(keys, size, *, max_iterations=25, tolerance=1e-4, seed=0):
     torch_in = _is_torch(keys)
     if torch_in:
         keys = keys.detach()
-    codebook = _ovq._fit_codebook(keys, size, max_iterations, tolerance, seed)
+    codebook = _ovq._fit_codebook(_view(keys), size, max_iterations, tolerance, seed)
     if torch_in:
         import torch
 

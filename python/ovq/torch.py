@@ -25,8 +25,8 @@ import ovq
 
 __all__ = ["Attention", "OVQAttention", "SelfAttention", "LinearAttention", "VQAttention"]
 
-# handle -> MultiHead layer, for the ops (which see tensors only).
-_LAYERS = {}
+# handle -> MultiHead layer, for the ops (which see tensors only); the module owns the layer.
+_LAYERS = weakref.WeakValueDictionary()
 _NEXT_HANDLE = itertools.count(1)
 _LOCK = threading.Lock()
 
@@ -143,7 +143,6 @@ class Attention(torch.nn.Module):
                                    codebooks=codebooks)
         handle = _register(self.layer)
         self.register_buffer("handle", torch.tensor([handle], dtype=torch.int64), persistent=False)
-        weakref.finalize(self, _LAYERS.pop, handle, None)
 
     def _qk(self, q, k):
         if self.normalize_qk:
@@ -159,8 +158,7 @@ class Attention(torch.nn.Module):
         if torch.compiler.is_compiling():
             op = torch.ops.ovq.forward_lse if return_lse else torch.ops.ovq.forward
             return op(self.handle, q, k, v, self.threads)
-        out = self.layer.forward(q.detach(), k.detach(), v.detach(), return_lse=return_lse,
-                                 threads=self.threads)
+        out = self.layer.forward(q, k, v, return_lse=return_lse, threads=self.threads)
         return _forward_only("ovq::forward", out, q, k, v)
 
     def step(self, q, k, v):
@@ -169,7 +167,9 @@ class Attention(torch.nn.Module):
         v = v.contiguous()
         if torch.compiler.is_compiling():
             return torch.ops.ovq.step(self.handle, q, k, v, self.threads)
-        out = self.layer.step(q.detach(), k.detach(), v.detach(), threads=self.threads)
+        layer = self.layer
+        out = q.new_empty((layer.batch, layer.query_heads, layer.dv))
+        layer._impl._step(q, k, v, out, self.threads)
         return _forward_only("ovq::step", out, q, k, v)
 
     def absorb(self, k, v):
@@ -180,7 +180,7 @@ class Attention(torch.nn.Module):
         if torch.compiler.is_compiling():
             torch.ops.ovq.absorb(self.handle, k, v, self.threads)
         else:
-            self.layer.absorb(k.detach(), v.detach(), threads=self.threads)
+            self.layer.absorb(k, v, threads=self.threads)
 
     def reset(self):
         self.layer.reset()

@@ -16,6 +16,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -173,6 +174,107 @@ void check_disjoint(const char* where, const char* out_name, const InArray& out,
           str(where, ": ", out_name, " overlaps ", name, ", expected a separate output array")
               .c_str());
   }
+}
+
+// ---- arrays from Python objects ----
+//
+// NumPy arrays (and anything else with a buffer or DLPack) come through nanobind's ndarray
+// caster. A torch.Tensor is read through its own accessors instead: its pointer, shape and
+// strides, with the tensor as the owner, which costs a fraction of a DLPack capsule per call
+// (what a decode step's overhead is made of). ovq never imports torch: a tensor exists only if
+// the caller did.
+
+struct TorchTypes {
+  PyObject* tensor = nullptr;  // torch.Tensor
+  PyObject* f32 = nullptr;
+  PyObject* f64 = nullptr;
+  PyObject* f16 = nullptr;
+  PyObject* bf16 = nullptr;
+};
+
+const TorchTypes* torch_types() {
+  static TorchTypes types;
+  if (types.tensor == nullptr) {
+    nb::object name = nb::str("torch");
+    PyObject* torch = PyImport_GetModule(name.ptr());
+    if (torch == nullptr) return nullptr;
+    nb::object mod = nb::steal(torch);
+    // Kept for the life of the process (torch is never unloaded).
+    types.f32 = nb::object(mod.attr("float32")).release().ptr();
+    types.f64 = nb::object(mod.attr("float64")).release().ptr();
+    types.f16 = nb::object(mod.attr("float16")).release().ptr();
+    types.bf16 = nb::object(mod.attr("bfloat16")).release().ptr();
+    types.tensor = nb::object(mod.attr("Tensor")).release().ptr();
+  }
+  return &types;
+}
+
+bool is_torch_tensor(nb::handle h) {
+  const TorchTypes* t = torch_types();
+  return t != nullptr && PyObject_IsInstance(h.ptr(), t->tensor) == 1;
+}
+
+template <class Array>
+Array torch_array(nb::handle h, const char* where, const char* name) {
+  const TorchTypes* t = torch_types();
+  if (!nb::cast<bool>(h.attr("is_cpu")))
+    throw nb::type_error(str(where, ": ", name, " is on ", nb::str(h.attr("device")).c_str(),
+                             ", expected CPU memory: this build of ovq runs on the CPU")
+                             .c_str());
+  nb::object dtype = h.attr("dtype");
+  nb::dlpack::dtype dt;
+  if (dtype.ptr() == t->f32) {
+    dt = dlpack_dtype<float>();
+  } else if (dtype.ptr() == t->f64) {
+    dt = dlpack_dtype<double>();
+  } else if (dtype.ptr() == t->f16) {
+    dt = dlpack_dtype<fp16>();
+  } else if (dtype.ptr() == t->bf16) {
+    dt = dlpack_dtype<bf16>();
+  } else {
+    throw nb::type_error(str(where, ": ", name, " has dtype ", nb::str(dtype).c_str(),
+                             ", expected float32, float64, bfloat16 or float16").c_str());
+  }
+  // (A real tensor is never a lazy conjugate; it can be a lazy negation.)
+  if (nb::cast<bool>(h.attr("is_neg")()))
+    throw nb::value_error(str(where, ": ", name, " is a lazily negated view, expected its "
+                              "values (Tensor.resolve_neg())").c_str());
+  void* data = PyLong_AsVoidPtr(h.attr("data_ptr")().ptr());
+  nb::tuple shape = nb::borrow<nb::tuple>(h.attr("shape"));
+  nb::tuple strides = nb::borrow<nb::tuple>(h.attr("stride")());
+  const std::size_t ndim = nb::len(shape);
+  std::vector<std::size_t> sizes(ndim);
+  std::vector<std::int64_t> steps(ndim);
+  for (std::size_t i = 0; i < ndim; ++i) {
+    sizes[i] = nb::cast<std::size_t>(shape[i]);
+    steps[i] = nb::cast<std::int64_t>(strides[i]);
+  }
+  return Array(data, ndim, sizes.data(), h, steps.data(), dt, nb::device::cpu::value);
+}
+
+// `name` as an array the library can read.
+InArray input(nb::handle h, const char* where, const char* name) {
+  if (is_torch_tensor(h)) return torch_array<InArray>(h, where, name);
+  InArray a;
+  if (!nb::try_cast<InArray>(h, a, false))
+    throw nb::type_error(str(where, ": ", name, " is a ", nb::type_name(h.type()).c_str(),
+                             ", expected a NumPy array or a torch tensor").c_str());
+  return a;
+}
+
+// `name` as an array the library can write.
+OutArray output(nb::handle h, const char* where, const char* name) {
+  if (is_torch_tensor(h)) return torch_array<OutArray>(h, where, name);
+  OutArray a;
+  if (!nb::try_cast<OutArray>(h, a, false))
+    throw nb::type_error(str(where, ": ", name, " is a ", nb::type_name(h.type()).c_str(),
+                             ", expected a writable NumPy array or a torch tensor").c_str());
+  return a;
+}
+
+std::optional<OutArray> optional_output(nb::handle h, const char* where, const char* name) {
+  if (h.is_none()) return std::nullopt;
+  return output(h, where, name);
 }
 
 // ---- threads ----
@@ -723,6 +825,33 @@ void mh_absorb(PyMultiHead<F>& self, const InArray& k, const InArray& v, int thr
       self.layer);
 }
 
+// The same step `iters` times in C++, no Python in between: seconds per call (the benchmark's
+// baseline for the per-call overhead of the Python paths).
+template <class F>
+double mh_time_steps(PyMultiHead<F>& self, const InArray& q, const InArray& k, const InArray& v,
+                     const OutArray& out, int iters, int threads) {
+  if (iters < 1) throw nb::value_error("iters must be >= 1");
+  mh_step(self, q, k, v, out, threads);  // checks the arguments once
+  return std::visit(
+      [&](auto& layer) {
+        using S = typename std::decay_t<decltype(layer)>::Scalar;
+        const ConstRowsView<S> qv = rows_of<S>(q), kv = rows_of<S>(k), vv = rows_of<S>(v);
+        const RowsView<S> ov = rows_of<S>(out);
+        using Map = Eigen::Map<const RowMatrix<S>>;
+        const Map qm(qv.data, qv.rows, qv.cols), km(kv.data, kv.rows, kv.cols),
+            vm(vv.data, vv.rows, vv.cols);
+        Eigen::Map<RowMatrix<S>> om(ov.data, ov.rows, ov.cols);
+        nb::gil_scoped_release release;
+        std::lock_guard<std::mutex> lock(*self.mutex);
+        ThreadScope scope(threads);
+        const auto start = std::chrono::steady_clock::now();
+        for (int i = 0; i < iters; ++i) layer.step(qm, km, vm, om);
+        const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+        return took.count() / iters;
+      },
+      self.layer);
+}
+
 template <class F>
 nb::bytes mh_encode(const PyMultiHead<F>& self) {
   std::vector<unsigned char> bytes;
@@ -887,10 +1016,21 @@ nb::class_<PyMixer<F>> bind_mixer(nb::module_& m, const char* layer_name) {
       .def("_check_dtype", [](const M& self, const std::string& dtype) {
          with_element(dtype, [&](auto s) { typed_mixer<F, decltype(s)>(self); });
        })
-      .def("_forward", &forward<F>, "state"_a, "q"_a, "k"_a, "v"_a, "out"_a,
-           "lse"_a.none(), "threads"_a)
-      .def("_step", &step<F>, "state"_a, "q"_a, "k"_a, "v"_a, "out"_a, "threads"_a)
-      .def("_absorb", &absorb<F>, "state"_a, "k"_a, "v"_a, "threads"_a)
+      .def("_forward", [](const M& self, St& st, nb::handle q, nb::handle k, nb::handle v,
+                          nb::handle out, nb::handle lse, int threads) {
+         const char* w = "forward";
+         forward(self, st, input(q, w, "q"), input(k, w, "k"), input(v, w, "v"),
+                 output(out, w, "out"), optional_output(lse, w, "lse"), threads);
+       }, "state"_a, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(), "threads"_a)
+      .def("_step", [](const M& self, St& st, nb::handle q, nb::handle k, nb::handle v,
+                       nb::handle out, int threads) {
+         const char* w = "step";
+         step(self, st, input(q, w, "q"), input(k, w, "k"), input(v, w, "v"),
+              output(out, w, "out"), threads);
+       }, "state"_a, "q"_a, "k"_a, "v"_a, "out"_a, "threads"_a)
+      .def("_absorb", [](const M& self, St& st, nb::handle k, nb::handle v, int threads) {
+         absorb(self, st, input(k, "absorb", "k"), input(v, "absorb", "v"), threads);
+       }, "state"_a, "k"_a, "v"_a, "threads"_a)
       .def("_decode", [](const M& self, const nb::bytes& data) { return decode<F>(self.options(), data); })
       .def("_reference", &reference<F>, "q"_a, "k"_a, "v"_a, "codebook"_a.none() = nb::none(),
            "The double-precision reference of MATH.md over float64 q, k, v (tests).")
@@ -932,9 +1072,27 @@ nb::class_<PyMixer<F>> bind_mixer(nb::module_& m, const char* layer_name) {
            return St(l.options, typename St::Variant(x.state(b, h)));
          }, l.layer);
        }, "b"_a, "kv_head"_a, "A copy of the state of batch entry b, key/value head kv_head.")
-      .def("_forward", &mh_forward<F>, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(), "threads"_a)
-      .def("_step", &mh_step<F>, "q"_a, "k"_a, "v"_a, "out"_a, "threads"_a)
-      .def("_absorb", &mh_absorb<F>, "k"_a, "v"_a, "threads"_a)
+      .def("_forward", [](L& l, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
+                          nb::handle lse, int threads) {
+         const char* w = "forward";
+         mh_forward(l, input(q, w, "q"), input(k, w, "k"), input(v, w, "v"),
+                    output(out, w, "out"), optional_output(lse, w, "lse"), threads);
+       }, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(), "threads"_a)
+      .def("_step", [](L& l, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
+                       int threads) {
+         const char* w = "step";
+         mh_step(l, input(q, w, "q"), input(k, w, "k"), input(v, w, "v"), output(out, w, "out"),
+                 threads);
+       }, "q"_a, "k"_a, "v"_a, "out"_a, "threads"_a)
+      .def("_absorb", [](L& l, nb::handle k, nb::handle v, int threads) {
+         mh_absorb(l, input(k, "absorb", "k"), input(v, "absorb", "v"), threads);
+       }, "k"_a, "v"_a, "threads"_a)
+      .def("_time_steps", [](L& l, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
+                             int iters, int threads) {
+         const char* w = "step";
+         return mh_time_steps(l, input(q, w, "q"), input(k, w, "k"), input(v, w, "v"),
+                              output(out, w, "out"), iters, threads);
+       }, "q"_a, "k"_a, "v"_a, "out"_a, "iters"_a, "threads"_a)
       .def("to_bytes", &mh_encode<F>)
       .def("_load_bytes", &mh_decode<F>)
       .def("__copy__", [](const L& l) { return L(l); })
@@ -1192,6 +1350,9 @@ nb::object fit_codebook_py(const InArray& keys, Index size, Index max_iterations
 NB_MODULE(_ovq, m) {
   using namespace ovq::python;
   m.doc() = "ovq's C++ mixers, states and layers; use the ovq package, which wraps this module.";
+  // Objects still referenced when the interpreter exits (a layer in a module-level registry, a
+  // state in a global) are freed after this module; that is not a leak worth a warning.
+  nb::set_leak_warnings(false);
 
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {

@@ -548,6 +548,51 @@ def load_peers(directory, problems):
     return best, data.get("context", {})
 
 
+def load_python(directory, problems):
+    """DIR/python.json (scripts/lib/bench_python.py), or None."""
+    path = os.path.join(directory, "python.json")
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        problems.append(f"python.json: {e}")
+        return None
+
+
+PYTHON_OVERHEAD_US = 10.0  # goal: per-call overhead of ovq.torch on a decode step
+
+
+def python_rows(py):
+    """(what, measured, target, verdict) rows of the Python row's goals."""
+    if not py:
+        return []
+    rows = []
+    for r in py.get("overhead", []):
+        if r["path"].startswith("C++"):
+            continue
+        over = r["overhead_us"]
+        rows.append((f"Python: per-call overhead, {r['path']}", f"{over:.2f} us",
+                     f"<= {PYTHON_OVERHEAD_US:g} us", verdict(over, PYTHON_OVERHEAD_US, "<=")))
+    for r in py.get("sdpa", []):
+        ratio = r["torch_over_ovq"]
+        rows.append((f"Python: {r['case']}, SDPA / ovq", f"{ratio:.2f}x", ">= 1x",
+                     verdict(ratio, 1.0, ">=")))
+    return rows
+
+
+def python_table(py):
+    lines = ["| path | us per call | overhead over the C++ loop (us) |", "|---|---:|---:|"]
+    for r in py.get("overhead", []):
+        lines.append(f"| {r['path']} | {r['us_per_call']:.2f} | {r['overhead_us']:.2f} |")
+    lines += ["", "| case | ovq (ms) | SDPA (ms) | SDPA / ovq |", "|---|---:|---:|---:|"]
+    for r in py.get("sdpa", []):
+        lines.append(f"| {r['case']} | {r['ovq_ms']:.3f} | {r['torch_ms']:.3f} | "
+                     f"{r['torch_over_ovq']:.2f} |")
+    return lines
+
+
 def peers_table(main, peers):
     r = by_name(main)
     lines = ["| case | ovq (ms) | PyTorch SDPA (ms) | PyTorch / ovq |", "|---|---:|---:|---:|"]
@@ -783,7 +828,8 @@ def limits_table(main, peers):
     return lines
 
 
-def write_summary(directory, args, main, scaling, contexts, memory, peers, peer_context):
+def write_summary(directory, args, main, scaling, contexts, memory, peers, peer_context,
+                  python=None):
     """DIR/summary.md: the facts of the run and its two goal tables, for bench/README.md."""
     ctx = next(iter(contexts.values()), {})
     lines = [f"Written by `scripts/bench --{args.mode}{' --peers' if peers else ''}`."]
@@ -796,7 +842,8 @@ def write_summary(directory, args, main, scaling, contexts, memory, peers, peer_
                      f"{peer_context.get('cpu_capability', '?')}, "
                      f"{peer_context.get('threads', '?')} threads")
     lines += ["", "| case | measured | target | |", "|---|---|---|---|"]
-    for what, measured, target, v in headline(main, scaling, memory) + limits_rows(main, peers):
+    rows = headline(main, scaling, memory) + limits_rows(main, peers) + python_rows(python)
+    for what, measured, target, v in rows:
         lines.append(f"| {what} | {measured} | {target} | {v} |")
     lines.append("")
     with open(os.path.join(directory, "summary.md"), "w") as f:
@@ -823,7 +870,7 @@ def update_readme(path, directory):
 
 
 def write_report(directory, args, main, scaling, contexts, memory, problems, plot_note,
-                 peers=None, peer_context=None):
+                 peers=None, peer_context=None, python=None):
     peers = peers or {}
     ctx = next(iter(contexts.values()), {})
     threads = thread_count(main)
@@ -912,6 +959,21 @@ def write_report(directory, args, main, scaling, contexts, memory, problems, plo
     else:
         lines.append("not measured (scripts/bench --peers)")
     lines.append("")
+    lines.append("## From Python")
+    lines.append("")
+    if python:
+        pc = python.get("context", {})
+        lines.append(f"ovq.torch and PyTorch {pc.get('torch', '?')} in one process, "
+                     f"{pc.get('threads', '?')} threads (scripts/lib/bench_python.py).")
+        lines.append("")
+        lines += python_table(python)
+        lines.append("")
+        lines += ["| goal | measured | target | |", "|---|---|---|---|"]
+        for what, measured, target, v in python_rows(python):
+            lines.append(f"| {what} | {measured} | {target} | {v} |")
+    else:
+        lines.append("not measured (scripts/bench --peers)")
+    lines.append("")
     if plot_note:
         lines.append(f"_{plot_note}_")
     else:
@@ -997,14 +1059,15 @@ def main():
     args = ap.parse_args()
     main_results, scaling, contexts, memory, problems = load(args.directory)
     peers, peer_context = load_peers(args.directory, problems)
+    python = load_python(args.directory, problems)
     if not main_results:
         problems.append("no benchmark results found")
     plot_note = (plot(args.directory, main_results) if main_results
                  else "plots not drawn: no results")
     write_report(args.directory, args, main_results, scaling, contexts, memory, problems,
-                 plot_note, peers, peer_context)
+                 plot_note, peers, peer_context, python)
     write_summary(args.directory, args, main_results, scaling, contexts, memory, peers,
-                  peer_context)
+                  peer_context, python)
     if args.readme:
         update_readme(args.readme, args.directory)
     print(f"report: {os.path.join(args.directory, 'report.md')}"
