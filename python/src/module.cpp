@@ -190,6 +190,7 @@ struct TorchTypes {
   PyObject* f64 = nullptr;
   PyObject* f16 = nullptr;
   PyObject* bf16 = nullptr;
+  PyObject* strided = nullptr;  // the dense layout
 };
 
 const TorchTypes* torch_types() {
@@ -204,6 +205,7 @@ const TorchTypes* torch_types() {
     types.f64 = nb::object(mod.attr("float64")).release().ptr();
     types.f16 = nb::object(mod.attr("float16")).release().ptr();
     types.bf16 = nb::object(mod.attr("bfloat16")).release().ptr();
+    types.strided = nb::object(mod.attr("strided")).release().ptr();
     types.tensor = nb::object(mod.attr("Tensor")).release().ptr();
   }
   return &types;
@@ -221,6 +223,9 @@ Array torch_array(nb::handle h, const char* where, const char* name) {
     throw nb::type_error(str(where, ": ", name, " is on ", nb::str(h.attr("device")).c_str(),
                              ", expected CPU memory: this build of ovq runs on the CPU")
                              .c_str());
+  if (nb::object layout = h.attr("layout"); layout.ptr() != t->strided)
+    throw nb::type_error(str(where, ": ", name, " has layout ", nb::str(layout).c_str(),
+                             ", expected a dense (torch.strided) tensor").c_str());
   nb::object dtype = h.attr("dtype");
   nb::dlpack::dtype dt;
   if (dtype.ptr() == t->f32) {
@@ -306,6 +311,17 @@ class ThreadScope {
 
 // ---- options from keyword arguments, and back ----
 
+const char* feature_map_name(FeatureMap m) {
+  return m == FeatureMap::identity ? "identity" : m == FeatureMap::elu1 ? "elu1" : "relu";
+}
+FeatureMap feature_map_of(const std::string& s) {
+  if (s == "identity") return FeatureMap::identity;
+  if (s == "elu1") return FeatureMap::elu1;
+  if (s == "relu") return FeatureMap::relu;
+  throw nb::value_error(
+      ("LinearAttention: feature_map = '" + s + "', expected 'identity', 'elu1' or 'relu'").c_str());
+}
+
 class Kwargs {
  public:
   Kwargs(const char* where, nb::dict d) : where_(where), d_(std::move(d)) {}
@@ -334,6 +350,12 @@ class Kwargs {
                                .c_str());
   }
 
+  void get(const char* key, FeatureMap& out) {
+    std::string name = feature_map_name(out);
+    get(key, name);
+    out = feature_map_of(name);
+  }
+
   void finish() const {
     for (auto item : d_) {
       const std::string key = nb::cast<std::string>(item.first);
@@ -354,41 +376,18 @@ class Kwargs {
   std::set<std::string> used_;
 };
 
-const char* feature_map_name(FeatureMap m) {
-  return m == FeatureMap::identity ? "identity" : m == FeatureMap::elu1 ? "elu1" : "relu";
-}
-FeatureMap feature_map_of(const std::string& s) {
-  if (s == "identity") return FeatureMap::identity;
-  if (s == "elu1") return FeatureMap::elu1;
-  if (s == "relu") return FeatureMap::relu;
-  throw nb::value_error(
-      ("LinearAttention: feature_map = '" + s + "', expected 'identity', 'elu1' or 'relu'").c_str());
-}
-
+// One list of fields per mixer: read from keyword arguments, and written back as a dict.
 struct SelfFamily {
   template <class S>
   using Mixer = SelfAttention<S>;
   using Options = SelfAttentionOptions;
   static constexpr const char* name = "SelfAttention";
-
-  static Options options(nb::dict d) {
-    Options o;
-    Kwargs kw(name, std::move(d));
-    kw.get("beta", o.beta);
-    kw.get("causal", o.causal);
-    kw.get("window", o.window);
-    kw.get("chunk", o.chunk);
-    kw.finish();
-    o.validate();
-    return o;
-  }
-  static nb::dict dict(const Options& o) {
-    nb::dict d;
-    d["beta"] = o.beta;
-    d["causal"] = o.causal;
-    d["window"] = o.window;
-    d["chunk"] = o.chunk;
-    return d;
+  template <class O, class V>
+  static void fields(O& o, V&& v) {
+    v("beta", o.beta);
+    v("causal", o.causal);
+    v("window", o.window);
+    v("chunk", o.chunk);
   }
 };
 
@@ -397,31 +396,14 @@ struct LinearFamily {
   using Mixer = LinearAttention<S>;
   using Options = LinearAttentionOptions;
   static constexpr const char* name = "LinearAttention";
-
-  static Options options(nb::dict d) {
-    Options o;
-    Kwargs kw(name, std::move(d));
-    std::string map = feature_map_name(o.feature_map);
-    kw.get("beta", o.beta);
-    kw.get("feature_map", map);
-    kw.get("normalize", o.normalize);
-    kw.get("decay", o.decay);
-    kw.get("eps", o.eps);
-    kw.get("chunk", o.chunk);
-    kw.finish();
-    o.feature_map = feature_map_of(map);
-    o.validate();
-    return o;
-  }
-  static nb::dict dict(const Options& o) {
-    nb::dict d;
-    d["beta"] = o.beta;
-    d["feature_map"] = feature_map_name(o.feature_map);
-    d["normalize"] = o.normalize;
-    d["decay"] = o.decay;
-    d["eps"] = o.eps;
-    d["chunk"] = o.chunk;
-    return d;
+  template <class O, class V>
+  static void fields(O& o, V&& v) {
+    v("beta", o.beta);
+    v("feature_map", o.feature_map);
+    v("normalize", o.normalize);
+    v("decay", o.decay);
+    v("eps", o.eps);
+    v("chunk", o.chunk);
   }
 };
 
@@ -430,21 +412,10 @@ struct VqFamily {
   using Mixer = VqAttention<S>;
   using Options = VqAttentionOptions;
   static constexpr const char* name = "VQAttention";
-
-  static Options options(nb::dict d) {
-    Options o;
-    Kwargs kw(name, std::move(d));
-    kw.get("beta", o.beta);
-    kw.get("chunk", o.chunk);
-    kw.finish();
-    o.validate();
-    return o;
-  }
-  static nb::dict dict(const Options& o) {
-    nb::dict d;
-    d["beta"] = o.beta;
-    d["chunk"] = o.chunk;
-    return d;
+  template <class O, class V>
+  static void fields(O& o, V&& v) {
+    v("beta", o.beta);
+    v("chunk", o.chunk);
   }
 };
 
@@ -453,33 +424,43 @@ struct OvqFamily {
   using Mixer = OvqAttention<S>;
   using Options = OvqOptions;
   static constexpr const char* name = "OVQAttention";
-
-  static Options options(nb::dict d) {
-    Options o;
-    Kwargs kw(name, std::move(d));
-    kw.get("capacity", o.capacity);
-    kw.get("chunk", o.chunk);
-    kw.get("beta", o.beta);
-    kw.get("growth", o.growth);
-    kw.get("seeding", o.seeding);
-    kw.get("rate", o.rate);
-    kw.get("renormalize", o.renormalize);
-    kw.finish();
-    o.validate();
-    return o;
-  }
-  static nb::dict dict(const Options& o) {
-    nb::dict d;
-    d["capacity"] = o.capacity;
-    d["chunk"] = o.chunk;
-    d["beta"] = o.beta;
-    d["growth"] = o.growth;
-    d["seeding"] = o.seeding;
-    d["rate"] = o.rate;
-    d["renormalize"] = o.renormalize;
-    return d;
+  template <class O, class V>
+  static void fields(O& o, V&& v) {
+    v("capacity", o.capacity);
+    v("chunk", o.chunk);
+    v("beta", o.beta);
+    v("growth", o.growth);
+    v("seeding", o.seeding);
+    v("rate", o.rate);
+    v("renormalize", o.renormalize);
   }
 };
+
+template <class F>
+typename F::Options options_from(nb::dict d) {
+  typename F::Options o;
+  Kwargs kw(F::name, std::move(d));
+  F::fields(o, [&](const char* key, auto& field) { kw.get(key, field); });
+  kw.finish();
+  o.validate();
+  return o;
+}
+
+template <class T>
+nb::object to_python(const T& field) {
+  if constexpr (std::is_same_v<T, FeatureMap>) {
+    return nb::str(feature_map_name(field));
+  } else {
+    return nb::cast(field);
+  }
+}
+
+template <class F>
+nb::dict options_dict(const typename F::Options& o) {
+  nb::dict d;
+  F::fields(o, [&](const char* key, const auto& field) { d[key] = to_python(field); });
+  return d;
+}
 
 // ---- mixers and states ----
 
@@ -557,11 +538,6 @@ template <class S>
 const Dictionary<S>* dictionary_of(const OvqState<S>& s) { return &s.dictionary(); }
 
 // ---- the calls ----
-
-template <class F>
-nb::object options_dict(const typename F::Options& o) {
-  return F::dict(o);
-}
 
 template <class F, class S>
 const MixerOf<F, S>& typed_mixer(const PyMixer<F>& m) {
@@ -993,14 +969,14 @@ void bind_state_common(nb::class_<PyState<F>>& cls) {
          return x == b.state;
        })
       .def("__getstate__", [](const St& s) {
-         return std::make_tuple(nb::object(F::dict(s.options)), encode(s));
+         return std::make_tuple(nb::object(options_dict<F>(s.options)), encode(s));
        })
       .def("__setstate__", [](St& s, const std::tuple<nb::dict, nb::bytes>& t) {
-         new (&s) St(decode<F>(F::options(std::get<0>(t)), std::get<1>(t)));
+         new (&s) St(decode<F>(options_from<F>(std::get<0>(t)), std::get<1>(t)));
        })
       .def("to_bytes", [](const St& s) { return encode(s); },
            "The state file's bytes (what save_state writes): bitwise the state.")
-      .def("options", [](const St& s) { return F::dict(s.options); },
+      .def("options", [](const St& s) { return options_dict<F>(s.options); },
            "The options of the mixer that made it.");
   cls.attr("__hash__") = nb::none();
 }
@@ -1011,8 +987,8 @@ nb::class_<PyMixer<F>> bind_mixer(nb::module_& m, const char* layer_name) {
   using St = PyState<F>;
 
   auto cls = nb::class_<M>(m, (std::string("_") + F::name).c_str());
-  cls.def("__init__", [](M* self, nb::kwargs kw) { new (self) M(F::options(nb::dict(kw))); })
-      .def("options", [](const M& self) { return F::dict(self.options()); })
+  cls.def("__init__", [](M* self, nb::kwargs kw) { new (self) M(options_from<F>(nb::dict(kw))); })
+      .def("options", [](const M& self) { return options_dict<F>(self.options()); })
       .def("_check_dtype", [](const M& self, const std::string& dtype) {
          with_element(dtype, [&](auto s) { typed_mixer<F, decltype(s)>(self); });
        })

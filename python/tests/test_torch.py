@@ -40,6 +40,13 @@ def test_tensors_are_read_and_written_in_place():
         mixer.forward(state, q.t().contiguous().t(), k, v)
     with pytest.raises(TypeError, match="float64"):
         mixer.forward(state, q.double(), k, v)
+    with pytest.raises(TypeError, match="layout"):
+        mixer.forward(state, q.to_sparse(), k, v)
+    with pytest.raises(TypeError, match="meta"):
+        mixer.forward(state, q.to("meta"), k, v)
+    with pytest.raises(TypeError, match="int64"):
+        mixer.forward(state, q.long(), k, v)
+    assert state.t == T  # the first call only
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
