@@ -216,16 +216,31 @@ bool is_torch_tensor(nb::handle h) {
   return t != nullptr && PyObject_IsInstance(h.ptr(), t->tensor) == 1;
 }
 
+// str(x), for messages.
+std::string text_of(nb::handle x) {
+  PyObject* s = PyObject_Str(x.ptr());
+  if (s == nullptr) {
+    PyErr_Clear();
+    return "?";
+  }
+  const nb::str owned = nb::steal<nb::str>(s);
+  return owned.c_str();
+}
+
 template <class Array>
 Array torch_array(nb::handle h, const char* where, const char* name) {
   const TorchTypes* t = torch_types();
-  if (!nb::cast<bool>(h.attr("is_cpu")))
-    throw nb::type_error(str(where, ": ", name, " is on ", nb::str(h.attr("device")).c_str(),
+  if (!nb::cast<bool>(h.attr("is_cpu"))) {
+    const std::string device = text_of(h.attr("device"));
+    throw nb::type_error(str(where, ": ", name, " is on ", device,
                              ", expected CPU memory: this build of ovq runs on the CPU")
                              .c_str());
-  if (nb::object layout = h.attr("layout"); layout.ptr() != t->strided)
-    throw nb::type_error(str(where, ": ", name, " has layout ", nb::str(layout).c_str(),
+  }
+  if (nb::object layout = h.attr("layout"); layout.ptr() != t->strided) {
+    const std::string text = text_of(layout);
+    throw nb::type_error(str(where, ": ", name, " has layout ", text,
                              ", expected a dense (torch.strided) tensor").c_str());
+  }
   nb::object dtype = h.attr("dtype");
   nb::dlpack::dtype dt;
   if (dtype.ptr() == t->f32) {
@@ -237,7 +252,8 @@ Array torch_array(nb::handle h, const char* where, const char* name) {
   } else if (dtype.ptr() == t->bf16) {
     dt = dlpack_dtype<bf16>();
   } else {
-    throw nb::type_error(str(where, ": ", name, " has dtype ", nb::str(dtype).c_str(),
+    const std::string text = text_of(dtype);
+    throw nb::type_error(str(where, ": ", name, " has dtype ", text,
                              ", expected float32, float64, bfloat16 or float16").c_str());
   }
   // (A real tensor is never a lazy conjugate; it can be a lazy negation.)
@@ -994,18 +1010,22 @@ nb::class_<PyMixer<F>> bind_mixer(nb::module_& m, const char* layer_name) {
        })
       .def("_forward", [](const M& self, St& st, nb::handle q, nb::handle k, nb::handle v,
                           nb::handle out, nb::handle lse, int threads) {
+         // One after the other: arguments of a call are converted in no set order, and the
+         // first bad one is the one to report.
          const char* w = "forward";
-         forward(self, st, input(q, w, "q"), input(k, w, "k"), input(v, w, "v"),
-                 output(out, w, "out"), optional_output(lse, w, "lse"), threads);
+         const InArray qa = input(q, w, "q"), ka = input(k, w, "k"), va = input(v, w, "v");
+         const OutArray oa = output(out, w, "out");
+         forward(self, st, qa, ka, va, oa, optional_output(lse, w, "lse"), threads);
        }, "state"_a, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(), "threads"_a)
       .def("_step", [](const M& self, St& st, nb::handle q, nb::handle k, nb::handle v,
                        nb::handle out, int threads) {
          const char* w = "step";
-         step(self, st, input(q, w, "q"), input(k, w, "k"), input(v, w, "v"),
-              output(out, w, "out"), threads);
+         const InArray qa = input(q, w, "q"), ka = input(k, w, "k"), va = input(v, w, "v");
+         step(self, st, qa, ka, va, output(out, w, "out"), threads);
        }, "state"_a, "q"_a, "k"_a, "v"_a, "out"_a, "threads"_a)
       .def("_absorb", [](const M& self, St& st, nb::handle k, nb::handle v, int threads) {
-         absorb(self, st, input(k, "absorb", "k"), input(v, "absorb", "v"), threads);
+         const InArray ka = input(k, "absorb", "k"), va = input(v, "absorb", "v");
+         absorb(self, st, ka, va, threads);
        }, "state"_a, "k"_a, "v"_a, "threads"_a)
       .def("_decode", [](const M& self, const nb::bytes& data) { return decode<F>(self.options(), data); })
       .def("_reference", &reference<F>, "q"_a, "k"_a, "v"_a, "codebook"_a.none() = nb::none(),
@@ -1051,23 +1071,25 @@ nb::class_<PyMixer<F>> bind_mixer(nb::module_& m, const char* layer_name) {
       .def("_forward", [](L& l, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
                           nb::handle lse, int threads) {
          const char* w = "forward";
-         mh_forward(l, input(q, w, "q"), input(k, w, "k"), input(v, w, "v"),
-                    output(out, w, "out"), optional_output(lse, w, "lse"), threads);
+         const InArray qa = input(q, w, "q"), ka = input(k, w, "k"), va = input(v, w, "v");
+         const OutArray oa = output(out, w, "out");
+         mh_forward(l, qa, ka, va, oa, optional_output(lse, w, "lse"), threads);
        }, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(), "threads"_a)
       .def("_step", [](L& l, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
                        int threads) {
          const char* w = "step";
-         mh_step(l, input(q, w, "q"), input(k, w, "k"), input(v, w, "v"), output(out, w, "out"),
-                 threads);
+         const InArray qa = input(q, w, "q"), ka = input(k, w, "k"), va = input(v, w, "v");
+         mh_step(l, qa, ka, va, output(out, w, "out"), threads);
        }, "q"_a, "k"_a, "v"_a, "out"_a, "threads"_a)
       .def("_absorb", [](L& l, nb::handle k, nb::handle v, int threads) {
-         mh_absorb(l, input(k, "absorb", "k"), input(v, "absorb", "v"), threads);
+         const InArray ka = input(k, "absorb", "k"), va = input(v, "absorb", "v");
+         mh_absorb(l, ka, va, threads);
        }, "k"_a, "v"_a, "threads"_a)
       .def("_time_steps", [](L& l, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
                              int iters, int threads) {
          const char* w = "step";
-         return mh_time_steps(l, input(q, w, "q"), input(k, w, "k"), input(v, w, "v"),
-                              output(out, w, "out"), iters, threads);
+         const InArray qa = input(q, w, "q"), ka = input(k, w, "k"), va = input(v, w, "v");
+         return mh_time_steps(l, qa, ka, va, output(out, w, "out"), iters, threads);
        }, "q"_a, "k"_a, "v"_a, "out"_a, "iters"_a, "threads"_a)
       .def("to_bytes", &mh_encode<F>)
       .def("_load_bytes", &mh_decode<F>)
