@@ -190,7 +190,6 @@ struct TorchTypes {
   PyObject* f64 = nullptr;
   PyObject* f16 = nullptr;
   PyObject* bf16 = nullptr;
-  PyObject* strided = nullptr;  // the dense layout
 };
 
 const TorchTypes* torch_types() {
@@ -205,7 +204,6 @@ const TorchTypes* torch_types() {
     types.f64 = nb::object(mod.attr("float64")).release().ptr();
     types.f16 = nb::object(mod.attr("float16")).release().ptr();
     types.bf16 = nb::object(mod.attr("bfloat16")).release().ptr();
-    types.strided = nb::object(mod.attr("strided")).release().ptr();
     types.tensor = nb::object(mod.attr("Tensor")).release().ptr();
   }
   return &types;
@@ -236,11 +234,6 @@ Array torch_array(nb::handle h, const char* where, const char* name) {
                              ", expected CPU memory: this build of ovq runs on the CPU")
                              .c_str());
   }
-  if (nb::object layout = h.attr("layout"); layout.ptr() != t->strided) {
-    const std::string text = text_of(layout);
-    throw nb::type_error(str(where, ": ", name, " has layout ", text,
-                             ", expected a dense (torch.strided) tensor").c_str());
-  }
   nb::object dtype = h.attr("dtype");
   nb::dlpack::dtype dt;
   if (dtype.ptr() == t->f32) {
@@ -260,9 +253,19 @@ Array torch_array(nb::handle h, const char* where, const char* name) {
   if (nb::cast<bool>(h.attr("is_neg")()))
     throw nb::value_error(str(where, ": ", name, " is a lazily negated view, expected its "
                               "values (Tensor.resolve_neg())").c_str());
-  void* data = PyLong_AsVoidPtr(h.attr("data_ptr")().ptr());
-  nb::tuple shape = nb::borrow<nb::tuple>(h.attr("shape"));
-  nb::tuple strides = nb::borrow<nb::tuple>(h.attr("stride")());
+  void* data = nullptr;
+  nb::tuple shape, strides;
+  try {
+    data = PyLong_AsVoidPtr(h.attr("data_ptr")().ptr());
+    shape = nb::borrow<nb::tuple>(h.attr("shape"));
+    strides = nb::borrow<nb::tuple>(h.attr("stride")());
+  } catch (nb::python_error&) {
+    // Sparse and other layouts have no strided memory (their accessors raise): asking only
+    // then keeps the dense case one call cheaper.
+    const std::string layout = text_of(h.attr("layout"));
+    throw nb::type_error(str(where, ": ", name, " has layout ", layout,
+                             ", expected a dense (torch.strided) tensor").c_str());
+  }
   const std::size_t ndim = nb::len(shape);
   std::vector<std::size_t> sizes(ndim);
   std::vector<std::int64_t> steps(ndim);
