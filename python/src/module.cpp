@@ -395,7 +395,8 @@ class Kwargs {
   std::set<std::string> used_;
 };
 
-// One list of fields per mixer: read from keyword arguments, and written back as a dict.
+// One list of fields per mixer, read from keyword arguments and written back as a dict: the
+// state file's list where its names are the keywords (OVQ's file flattens its policies).
 struct SelfFamily {
   template <class S>
   using Mixer = SelfAttention<S>;
@@ -403,10 +404,7 @@ struct SelfFamily {
   static constexpr const char* name = "SelfAttention";
   template <class O, class V>
   static void fields(O& o, V&& v) {
-    v("beta", o.beta);
-    v("causal", o.causal);
-    v("window", o.window);
-    v("chunk", o.chunk);
+    io::state_detail::visit_options(o, std::forward<V>(v));  // the state file's names
   }
 };
 
@@ -417,12 +415,7 @@ struct LinearFamily {
   static constexpr const char* name = "LinearAttention";
   template <class O, class V>
   static void fields(O& o, V&& v) {
-    v("beta", o.beta);
-    v("feature_map", o.feature_map);
-    v("normalize", o.normalize);
-    v("decay", o.decay);
-    v("eps", o.eps);
-    v("chunk", o.chunk);
+    io::state_detail::visit_options(o, std::forward<V>(v));  // the state file's names
   }
 };
 
@@ -433,8 +426,7 @@ struct VqFamily {
   static constexpr const char* name = "VQAttention";
   template <class O, class V>
   static void fields(O& o, V&& v) {
-    v("beta", o.beta);
-    v("chunk", o.chunk);
+    io::state_detail::visit_options(o, std::forward<V>(v));  // the state file's names
   }
 };
 

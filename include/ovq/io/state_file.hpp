@@ -215,16 +215,20 @@ class Reader {
 }
 
 // Each options struct as a list of named fields: f(name, field) for every one of them. Writing
-// and checking-on-load both walk this list, so they can never disagree.
-template <class F>
-void visit_options(const SelfAttentionOptions& o, F&& f) {
+// and checking-on-load both walk this list, so they can never disagree. O is the struct, const
+// or not (the Python bindings read keyword arguments into the same fields).
+template <class O, class Options>
+using if_options_t = std::enable_if_t<std::is_same_v<std::remove_const_t<O>, Options>>;
+
+template <class O, class F>
+auto visit_options(O& o, F&& f) -> if_options_t<O, SelfAttentionOptions> {
   f("beta", o.beta);
   f("causal", o.causal);
   f("window", o.window);
   f("chunk", o.chunk);
 }
-template <class F>
-void visit_options(const LinearAttentionOptions& o, F&& f) {
+template <class O, class F>
+auto visit_options(O& o, F&& f) -> if_options_t<O, LinearAttentionOptions> {
   f("beta", o.beta);
   f("feature_map", o.feature_map);
   f("normalize", o.normalize);
@@ -232,13 +236,13 @@ void visit_options(const LinearAttentionOptions& o, F&& f) {
   f("eps", o.eps);
   f("chunk", o.chunk);
 }
-template <class F>
-void visit_options(const VqAttentionOptions& o, F&& f) {
+template <class O, class F>
+auto visit_options(O& o, F&& f) -> if_options_t<O, VqAttentionOptions> {
   f("beta", o.beta);
   f("chunk", o.chunk);
 }
-template <class F>
-void visit_options(const OvqOptions& o, F&& f) {
+template <class O, class F>
+auto visit_options(O& o, F&& f) -> if_options_t<O, OvqOptions> {
   f("capacity", o.capacity);
   f("chunk", o.chunk);
   f("beta", o.beta);
