@@ -115,7 +115,8 @@ vq
 
 ovq
   --capacity N          maximum number of centroids (default 1024)
-  --growth dirichlet|linear  dictionary growth schedule (default dirichlet)
+  --growth dirichlet|linear|saturating  dictionary growth schedule (default dirichlet;
+                        saturating: floor(N t / (N + t)))
   --alpha A             dirichlet concentration (default: the capacity)
   --rate R              linear growth: centroids per token (default 1)
   --seeding spread|random    how new centroids are picked (default spread)
@@ -487,13 +488,18 @@ std::optional<Config> parse_command_line(int argc, char** argv) {
       if (has("--capacity")) {
         o.capacity = static_cast<Index>(parse_int("--capacity", value("--capacity")));
       }
-      enum class GrowthKind { dirichlet, linear };
+      enum class GrowthKind { dirichlet, linear, saturating };
       const GrowthKind growth =
           has("--growth") ? parse_choice<GrowthKind>("--growth", value("--growth"),
                                                      {{"dirichlet", GrowthKind::dirichlet},
-                                                      {"linear", GrowthKind::linear}})
+                                                      {"linear", GrowthKind::linear},
+                                                      {"saturating", GrowthKind::saturating}})
                           : GrowthKind::dirichlet;
-      if (growth == GrowthKind::dirichlet) {
+      if (growth == GrowthKind::saturating) {
+        if (has("--rate") || has("--alpha"))
+          throw UsageError("--rate and --alpha do not apply to --growth saturating");
+        o.growth = ovq::Growth::saturating();
+      } else if (growth == GrowthKind::dirichlet) {
         if (has("--rate")) throw UsageError("--rate applies to --growth linear only");
         o.growth = ovq::Growth::dirichlet(has("--alpha") ? parse_double("--alpha", value("--alpha"))
                                                          : 0.0);

@@ -321,7 +321,9 @@ OvqOptions ovq_options(Input& in) {
   o.capacity = in.pick(kCapacity);
   o.chunk = pick_chunk(in);
   o.beta = pick_beta(in);
-  o.growth = in.flag() ? Growth::linear(in.pick(kRate)) : Growth::dirichlet(in.pick(kAlpha));
+  o.growth = in.flag() ? Growth::linear(in.pick(kRate))
+             : in.flag() ? Growth::saturating()
+                         : Growth::dirichlet(in.pick(kAlpha));
   o.seeding = in.flag() ? Seeding::random(in.u64()) : Seeding::spread();
   o.rate = in.flag() ? UpdateRate::constant(in.pick(kEta)) : UpdateRate::adaptive();
   o.renormalize = in.flag();
@@ -343,7 +345,9 @@ std::string describe(const VqAttentionOptions& o) {
 std::string describe(const OvqOptions& o) {
   return detail::concat(
       "capacity=", o.capacity, " chunk=", o.chunk, " beta=", o.beta, " growth=",
-      o.growth.kind == Growth::Kind::dirichlet ? "dirichlet" : "linear",
+      o.growth.kind == Growth::Kind::dirichlet ? "dirichlet"
+      : o.growth.kind == Growth::Kind::linear  ? "linear"
+                                               : "saturating",
       " alpha=", o.growth.alpha, " rate=", o.growth.rate, " seeding=",
       o.seeding.kind == Seeding::Kind::spread ? "spread" : "random", " seed=", o.seeding.seed,
       " update=", o.rate.kind == UpdateRate::Kind::adaptive ? "adaptive" : "constant",

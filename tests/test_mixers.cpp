@@ -211,6 +211,7 @@ void check_against_ref(const OvqState<S>& st, const ref::OvqRefState& r, double 
 
 std::string growth_name(const Growth& g) {
   if (g.kind == Growth::Kind::linear) return "linear(" + std::to_string(g.rate) + ")";
+  if (g.kind == Growth::Kind::saturating) return "saturating";
   return "dirichlet(" + std::to_string(g.alpha) + ")";
 }
 
@@ -523,7 +524,7 @@ struct OvqShape {
 std::vector<OvqOptions> all_ovq_options(double beta) {
   std::vector<OvqOptions> all;
   const Growth growths[] = {Growth::dirichlet(), Growth::dirichlet(3.0), Growth::linear(1.0),
-                            Growth::linear(0.25)};
+                            Growth::linear(0.25), Growth::saturating()};
   const Seeding seedings[] = {Seeding::spread(), Seeding::random(12345)};
   const UpdateRate rates[] = {UpdateRate::adaptive(), UpdateRate::constant(0.3)};
   for (const Growth& g : growths)
@@ -610,11 +611,33 @@ TEST_CASE("OVQ-attention continues a state like the reference does", "[ovq][refe
   CHECK(st.dictionary().size() == 6);  // full (G(56) = 6 for N = 6): the last writes only assigned
 }
 
+TEST_CASE("saturating growth: floor(N t / (N + t)), exact for large t, never N", "[ovq]") {
+  const Growth g = Growth::saturating();
+  for (const Index n : {Index(1), Index(7), Index(2048), Index(1) << 30}) {
+    INFO("N = " << n);
+    CHECK(g.target(0, n) == 0);
+    std::vector<std::int64_t> ts = {1, 2, 63, n, 3 * std::int64_t(n) + 1, std::int64_t(1) << 40,
+                                    std::int64_t(1) << 62};
+    std::sort(ts.begin(), ts.end());
+    Index previous = 0;
+    for (const std::int64_t t : ts) {
+      const Index got = g.target(t, n);
+      // floor(N t / (N + t)) by 128-bit integers, independently of the 64-bit rearrangement.
+      const auto exact = static_cast<Index>((static_cast<unsigned __int128>(n) * t) /
+                                            (static_cast<unsigned __int128>(n) + t));
+      CHECK(got == exact);
+      CHECK(got < n);
+      CHECK(got >= previous);
+      previous = got;
+    }
+  }
+}
+
 TEST_CASE("OVQ growth schedules open the expected number of centroids", "[ovq]") {
   const Index dk = 5, dv = 3, l = 8, n_cap = 20;
   const Qkv<double> x = unit_qkv<double>(10 * l + 3, dk, dv, 1500);
   for (const Growth& g : {Growth::dirichlet(), Growth::dirichlet(3.0), Growth::linear(1.0),
-                          Growth::linear(0.25)}) {
+                          Growth::linear(0.25), Growth::saturating()}) {
     INFO(growth_name(g));
     OvqOptions opt;
     opt.capacity = n_cap;
@@ -632,6 +655,8 @@ TEST_CASE("OVQ growth schedules open the expected number of centroids", "[ovq]")
       const double tt = static_cast<double>(t + l);
       if (g.kind == Growth::Kind::dirichlet)
         target = std::ceil(n_cap * (1.0 - std::pow(1.0 + tt / a, -a / n_cap)));
+      else if (g.kind == Growth::Kind::saturating)
+        target = std::floor(n_cap * tt / (n_cap + tt));
       else
         target = std::ceil(g.rate * tt);
       Index m = std::clamp<Index>(std::min<Index>(n_cap, static_cast<Index>(target)) - n, 0, l);

@@ -1232,19 +1232,28 @@ void bind_policies(nb::module_& m) {
          g.validate("Growth.linear");
          return g;
        }, "rate"_a = 1.0, "G(t) = ceil(rate t).")
-      .def_prop_ro("kind", [](const Growth& g) { return g.kind == Growth::Kind::dirichlet ? "dirichlet" : "linear"; })
+      .def_static("saturating", &Growth::saturating,
+                  "G(t) = floor(N t / (N + t)): dirichlet with alpha = N rounded down.")
+      .def_prop_ro("kind", [](const Growth& g) {
+         return g.kind == Growth::Kind::dirichlet ? "dirichlet"
+                : g.kind == Growth::Kind::linear  ? "linear"
+                                                  : "saturating";
+       })
       .def_ro("alpha", &Growth::alpha)
       .def_ro("rate", &Growth::rate)
       .def("target", [](const Growth& g, std::int64_t t, Index capacity) { return g.target(t, capacity); },
            "t"_a, "capacity"_a, "min(N, G(t)).")
       .def("__eq__", [](const Growth& a, const Growth& b) { return a.kind == b.kind && a.alpha == b.alpha && a.rate == b.rate; })
       .def("__repr__", [](const Growth& g) {
+         if (g.kind == Growth::Kind::saturating) return std::string("Growth.saturating()");
          return g.kind == Growth::Kind::dirichlet ? str("Growth.dirichlet(alpha=", g.alpha, ")")
                                                   : str("Growth.linear(rate=", g.rate, ")");
        })
       .def("__getstate__", [](const Growth& g) { return std::make_tuple(int(g.kind), g.alpha, g.rate); })
       .def("__setstate__", [](Growth& g, const std::tuple<int, double, double>& t) {
-         new (&g) Growth{std::get<0>(t) == 0 ? Growth::Kind::dirichlet : Growth::Kind::linear, std::get<1>(t), std::get<2>(t)};
+         const int kind = std::get<0>(t);
+         if (kind < 0 || kind > 2) throw nb::value_error("Growth: kind out of range");
+         new (&g) Growth{static_cast<Growth::Kind>(kind), std::get<1>(t), std::get<2>(t)};
        });
   nb::class_<Seeding>(m, "Seeding", "How new OVQ centroids are chosen: Seeding.spread() or Seeding.random(seed).")
       .def_static("spread", &Seeding::spread, "Greedy spread-maximising: the chunk key least similar to every centroid so far.")

@@ -20,6 +20,7 @@ def mixers():
         ovq.SelfAttention(beta=0.5, window=17, chunk=32),
         ovq.LinearAttention(feature_map="elu1", normalize=True, decay=0.98, chunk=16),
         ovq.OVQAttention(capacity=24, chunk=16, beta=2.0),
+        ovq.OVQAttention(capacity=24, chunk=16, growth=ovq.Growth.saturating()),
         ovq.OVQAttention(capacity=24, chunk=16, growth=ovq.Growth.linear(0.5),
                          seeding=ovq.Seeding.random(7), rate=ovq.UpdateRate.constant(0.3),
                          renormalize=True),

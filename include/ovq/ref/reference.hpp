@@ -143,6 +143,10 @@ inline Index ovq_growth_target(const OvqOptions& opt, std::int64_t t) {
   if (opt.growth.kind == Growth::Kind::dirichlet) {
     const double a = opt.growth.alpha > 0.0 ? opt.growth.alpha : n_cap;
     g = std::ceil(n_cap * (1.0 - std::pow(1.0 + static_cast<double>(t) / a, -a / n_cap)));
+  } else if (opt.growth.kind == Growth::Kind::saturating) {
+    const long double tt = static_cast<long double>(t);
+    g = static_cast<double>(std::floor(static_cast<long double>(opt.capacity) * tt /
+                                       (static_cast<long double>(opt.capacity) + tt)));
   } else {
     g = std::ceil(opt.growth.rate * static_cast<double>(t));
   }

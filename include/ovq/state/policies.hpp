@@ -13,7 +13,7 @@ namespace ovq {
 
 // Target dictionary size G(t) after t absorbed tokens, evaluated in double precision.
 struct Growth {
-  enum class Kind { dirichlet, linear };
+  enum class Kind { dirichlet, linear, saturating };
   Kind kind = Kind::dirichlet;
   double alpha = 0.0;  // dirichlet concentration; 0 means "use the capacity N"
   double rate = 1.0;   // linear: centroids per token
@@ -23,18 +23,27 @@ struct Growth {
   static Growth dirichlet(double alpha = 0.0) { return {Kind::dirichlet, alpha, 1.0}; }
   // G(t) = ceil(rate t).
   static Growth linear(double rate = 1.0) { return {Kind::linear, 0.0, rate}; }
+  // G(t) = floor(N t / (N + t)): dirichlet with alpha = N rounded down, so it never quite reaches
+  // N (the schedule of the public OVQ implementation, docs/math.md).
+  static Growth saturating() { return {Kind::saturating, 0.0, 1.0}; }
 
   void validate(const char* where) const {
     if (kind == Kind::dirichlet) {
       detail::require(std::isfinite(alpha) && alpha >= 0.0, where, "growth alpha = ", alpha,
                       ", expected a finite value > 0 (or 0 for the capacity)");
-    } else {
+    } else if (kind == Kind::linear) {
       detail::check_positive_finite(where, "growth rate", rate);
     }
   }
 
   // min(N, G(t)) for capacity N.
   Index target(std::int64_t t, Index capacity) const {
+    if (kind == Kind::saturating) {
+      // floor(N t / (N + t)) = N - ceil(N^2 / (N + t)), exact in 64-bit integers (N < 2^31).
+      if (t <= 0) return 0;
+      const std::int64_t n = capacity, den = n + t;
+      return static_cast<Index>(n - (n * n + den - 1) / den);
+    }
     const double n_cap = static_cast<double>(capacity);
     const double td = static_cast<double>(t);
     double g;
