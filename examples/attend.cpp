@@ -119,7 +119,8 @@ ovq
                         saturating: floor(N t / (N + t)))
   --alpha A             dirichlet concentration (default: the capacity)
   --rate R              linear growth: centroids per token (default 1)
-  --seeding spread|random    how new centroids are picked (default spread)
+  --seeding spread|random|lowest_similarity  how new centroids are picked (default spread;
+                        lowest_similarity: assigned first, the least similar keys seed)
   --seed S              random seeding: generator seed (default 0)
   --lr adaptive|constant     centroid update rate (default adaptive: running mean)
   --eta E               constant update rate, in (0, 1] (required with --lr constant)
@@ -508,11 +509,13 @@ std::optional<Config> parse_command_line(int argc, char** argv) {
         o.growth = ovq::Growth::linear(has("--rate") ? parse_double("--rate", value("--rate"))
                                                      : 1.0);
       }
-      enum class SeedingKind { spread, random };
+      enum class SeedingKind { spread, random, lowest_similarity };
       const SeedingKind seeding =
           has("--seeding") ? parse_choice<SeedingKind>("--seeding", value("--seeding"),
                                                        {{"spread", SeedingKind::spread},
-                                                        {"random", SeedingKind::random}})
+                                                        {"random", SeedingKind::random},
+                                                        {"lowest_similarity",
+                                                         SeedingKind::lowest_similarity}})
                            : SeedingKind::spread;
       if (seeding == SeedingKind::spread) {
         if (has("--seed")) throw UsageError("--seed applies to --seeding random only");

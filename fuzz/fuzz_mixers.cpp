@@ -324,7 +324,9 @@ OvqOptions ovq_options(Input& in) {
   o.growth = in.flag() ? Growth::linear(in.pick(kRate))
              : in.flag() ? Growth::saturating()
                          : Growth::dirichlet(in.pick(kAlpha));
-  o.seeding = in.flag() ? Seeding::random(in.u64()) : Seeding::spread();
+  o.seeding = in.flag() ? Seeding::random(in.u64())
+              : in.flag() ? Seeding::lowest_similarity()
+                          : Seeding::spread();
   o.rate = in.flag() ? UpdateRate::constant(in.pick(kEta)) : UpdateRate::adaptive();
   o.renormalize = in.flag();
   return o;
@@ -349,7 +351,10 @@ std::string describe(const OvqOptions& o) {
       : o.growth.kind == Growth::Kind::linear  ? "linear"
                                                : "saturating",
       " alpha=", o.growth.alpha, " rate=", o.growth.rate, " seeding=",
-      o.seeding.kind == Seeding::Kind::spread ? "spread" : "random", " seed=", o.seeding.seed,
+      o.seeding.kind == Seeding::Kind::spread   ? "spread"
+      : o.seeding.kind == Seeding::Kind::random ? "random"
+                                                : "lowest_similarity",
+      " seed=", o.seeding.seed,
       " update=", o.rate.kind == UpdateRate::Kind::adaptive ? "adaptive" : "constant",
       " eta=", o.rate.eta, " renormalize=", o.renormalize);
 }

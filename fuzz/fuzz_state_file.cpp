@@ -135,7 +135,7 @@ bool read_options(Fields& f, OvqOptions& o) {
   o.renormalize = renormalize != 0;
   // A mixer's capacity and chunk are the caller's choice (they size every state it makes);
   // the fuzzer only mirrors modest ones.
-  return f.ok() && growth <= 2 && seeding <= 1 && rate <= 1 && renormalize <= 1 &&
+  return f.ok() && growth <= 2 && seeding <= 2 && rate <= 1 && renormalize <= 1 &&
          o.capacity <= 4096 && o.chunk <= 4096;
 }
 

@@ -490,7 +490,8 @@ TEST_CASE("cuda growth schedule == the CPU's chunk-by-chunk growth, from any (t,
   for (const Case& c : {Case{Growth::dirichlet(), 64, 8, 0, 0}, Case{Growth::dirichlet(), 300, 16, 0, 0},
                         Case{Growth::dirichlet(3.0), 50, 4, 40, 20},
                         Case{Growth::dirichlet(500.0), 40, 32, 0, 0}, Case{Growth::linear(1.0), 100, 8, 0, 0},
-                        Case{Growth::linear(0.01), 20, 8, 80, 1}, Case{Growth::dirichlet(), 64, 64, 640, 3}}) {
+                        Case{Growth::linear(0.01), 20, 8, 80, 1}, Case{Growth::dirichlet(), 64, 64, 640, 3},
+                        Case{Growth::saturating(), 100, 8, 0, 0}, Case{Growth::saturating(), 1, 1, 0, 0}}) {
     // The schedule to its end (some growths fill up only after astronomically many chunks)
     // against the CPU's growth over its first 10^5 chunks.
     constexpr std::int64_t kChunks = 100000;
@@ -544,6 +545,10 @@ TEST_CASE("cuda mixers (emulated): bad shapes throw the CPU's ArgumentError befo
   using Ovq = cuda::BasicOvqAttention<S, Emulator>;
   CHECK_THROWS_MATCHES(Ovq(long_chunk), ArgumentError,
                        MessageHas({"chunk = 5000", "at most 4096"}));
+  OvqOptions assign_first;
+  assign_first.seeding = Seeding::lowest_similarity();
+  CHECK_THROWS_MATCHES(Ovq(assign_first), ArgumentError,
+                       MessageHas({"lowest_similarity", "not implemented on CUDA"}));
   CHECK_THROWS_MATCHES(mixer.make_state(2, 300, 8), ArgumentError, MessageHas({"dk = 300"}));
 
   // A NaN in V: the call runs, changes nothing, and the next synchronize reports it.

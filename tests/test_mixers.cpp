@@ -525,7 +525,8 @@ std::vector<OvqOptions> all_ovq_options(double beta) {
   std::vector<OvqOptions> all;
   const Growth growths[] = {Growth::dirichlet(), Growth::dirichlet(3.0), Growth::linear(1.0),
                             Growth::linear(0.25), Growth::saturating()};
-  const Seeding seedings[] = {Seeding::spread(), Seeding::random(12345)};
+  const Seeding seedings[] = {Seeding::spread(), Seeding::random(12345),
+                              Seeding::lowest_similarity()};
   const UpdateRate rates[] = {UpdateRate::adaptive(), UpdateRate::constant(0.3)};
   for (const Growth& g : growths)
     for (const Seeding& s : seedings)
@@ -553,7 +554,9 @@ void ovq_against_reference(const std::vector<OvqShape>& shapes, double qk_scale,
       opt.chunk = sh.chunk;
       opt.capacity = sh.capacity;
       INFO("growth " << growth_name(opt.growth) << ", seeding "
-                     << (opt.seeding.kind == Seeding::Kind::spread ? "spread" : "random")
+                     << (opt.seeding.kind == Seeding::Kind::spread   ? "spread"
+                         : opt.seeding.kind == Seeding::Kind::random ? "random"
+                                                                     : "lowest_similarity")
                      << ", rate "
                      << (opt.rate.kind == UpdateRate::Kind::adaptive ? "adaptive" : "constant")
                      << ", renormalize " << opt.renormalize);

@@ -1258,15 +1258,24 @@ void bind_policies(nb::module_& m) {
   nb::class_<Seeding>(m, "Seeding", "How new OVQ centroids are chosen: Seeding.spread() or Seeding.random(seed).")
       .def_static("spread", &Seeding::spread, "Greedy spread-maximising: the chunk key least similar to every centroid so far.")
       .def_static("random", &Seeding::random, "seed"_a, "Distinct chunk rows from a generator seeded with (seed, chunk index).")
-      .def_prop_ro("kind", [](const Seeding& s) { return s.kind == Seeding::Kind::spread ? "spread" : "random"; })
+      .def_static("lowest_similarity", &Seeding::lowest_similarity,
+                  "Assignment first; the keys least similar to their nearest row seed rows of their own.")
+      .def_prop_ro("kind", [](const Seeding& s) {
+         return s.kind == Seeding::Kind::spread   ? "spread"
+                : s.kind == Seeding::Kind::random ? "random"
+                                                  : "lowest_similarity";
+       })
       .def_ro("seed", &Seeding::seed)
       .def("__eq__", [](const Seeding& a, const Seeding& b) { return a.kind == b.kind && a.seed == b.seed; })
       .def("__repr__", [](const Seeding& s) {
+         if (s.kind == Seeding::Kind::lowest_similarity) return std::string("Seeding.lowest_similarity()");
          return s.kind == Seeding::Kind::spread ? std::string("Seeding.spread()") : str("Seeding.random(seed=", s.seed, ")");
        })
       .def("__getstate__", [](const Seeding& s) { return std::make_tuple(int(s.kind), s.seed); })
       .def("__setstate__", [](Seeding& s, const std::tuple<int, std::uint64_t>& t) {
-         new (&s) Seeding{std::get<0>(t) == 0 ? Seeding::Kind::spread : Seeding::Kind::random, std::get<1>(t)};
+         const int kind = std::get<0>(t);
+         if (kind < 0 || kind > 2) throw nb::value_error("Seeding: kind out of range");
+         new (&s) Seeding{static_cast<Seeding::Kind>(kind), std::get<1>(t)};
        });
   nb::class_<UpdateRate>(m, "UpdateRate", "How a centroid moves: UpdateRate.adaptive() (running mean) or UpdateRate.constant(eta).")
       .def_static("adaptive", &UpdateRate::adaptive, "Running mean, rate cnt / (c + cnt).")

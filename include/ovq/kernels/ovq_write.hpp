@@ -5,6 +5,8 @@
 //   1. grow:   m = clamp(min(N, G(t + L)) - n, 0, L), at least 1 when n = 0
 //   2. seed:   m chunk rows become centroids (spread-maximising, or random)
 //   3. assign: a_i = argmax_r k_i . D_k[r] over the dictionary after seeding (ties: smallest r)
+//              (lowest-similarity seeding assigns first, against the old rows only, and then
+//              gives each of its m seeds a row of its own)
 //   4. update: sparse running mean (or constant rate) of the assigned rows, counts += members
 //
 // The scores of the chunk against the old centroids are computed once and serve both seeding
@@ -68,7 +70,24 @@ void ovq_write_chunk(Dictionary<Element>& dict, std::int64_t absorbed, ConstRows
     fold_new_centroid(scores.data(), n, nearest.data(), assigned.data(), chunk);
     ++n;
   };
-  if (params.seeding.kind == Seeding::Kind::spread) {
+  if (params.seeding.kind == Seeding::Kind::lowest_similarity) {
+    Index skip = -1;
+    Index seeds = m;
+    if (n == 0) {
+      // Key 0 opens row 0 and takes every key; its similarity to each is what ranks the rest.
+      open_row(rows, n, k.row(0), v.row(0));
+      score_row_against<Scalar, Arch>(keys.row(0), keys, nearest.data());
+      std::fill(assigned.begin(), assigned.end(), Index(0));
+      ++n;
+      skip = 0;
+      --seeds;
+    }
+    for (Index row : lowest_similarity_rows(nearest.data(), chunk, seeds, skip)) {
+      open_row(rows, n, k.row(row), v.row(row));
+      assigned[static_cast<std::size_t>(row)] = n;
+      ++n;
+    }
+  } else if (params.seeding.kind == Seeding::Kind::spread) {
     std::vector<unsigned char> picked(static_cast<std::size_t>(chunk), 0);
     for (Index step = 0; step < m; ++step) {
       const Index row = least_similar_unpicked(nearest.data(), picked.data(), chunk);

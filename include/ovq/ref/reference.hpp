@@ -167,9 +167,31 @@ inline void ovq_write(OvqRefState& st, const OvqOptions& opt) {
   Index m = std::clamp<Index>(target - n, 0, l);
   if (n == 0) m = std::max<Index>(m, 1);
 
-  // Seed.
+  // Seed (and, for lowest-similarity seeding, assign first).
   std::vector<Index> seeds;
-  if (opt.seeding.kind == Seeding::Kind::spread) {
+  std::vector<Index> a(static_cast<std::size_t>(l), 0);
+  const bool assign_first = opt.seeding.kind == Seeding::Kind::lowest_similarity;
+  if (assign_first) {
+    // s_i against the old rows (or key 0 into an empty dictionary); the m smallest, by (s_i, i).
+    std::vector<std::pair<double, Index>> ranked;
+    for (Index i = n == 0 ? 1 : 0; i < l; ++i) {
+      double s = -std::numeric_limits<double>::infinity();
+      if (n == 0) s = kc.row(i).dot(kc.row(0));
+      for (Index r = 0; r < n; ++r) {
+        const double d = kc.row(i).dot(st.dk.row(r));
+        if (d > s) {
+          s = d;
+          a[i] = r;
+        }
+      }
+      ranked.emplace_back(s, i);
+    }
+    std::sort(ranked.begin(), ranked.end());
+    if (n == 0) seeds.push_back(0);
+    for (const auto& [s, i] : ranked)
+      if (static_cast<Index>(seeds.size()) < m) seeds.push_back(i);
+    for (std::size_t j = 0; j < seeds.size(); ++j) a[seeds[j]] = n + static_cast<Index>(j);
+  } else if (opt.seeding.kind == Seeding::Kind::spread) {
     std::vector<double> s(static_cast<std::size_t>(l), -std::numeric_limits<double>::infinity());
     for (Index i = 0; i < l; ++i)
       for (Index r = 0; r < n; ++r) s[i] = std::max(s[i], kc.row(i).dot(st.dk.row(r)));
@@ -192,8 +214,7 @@ inline void ovq_write(OvqRefState& st, const OvqOptions& opt) {
   }
 
   // Assign with the dictionary after seeding.
-  std::vector<Index> a(static_cast<std::size_t>(l));
-  for (Index i = 0; i < l; ++i) {
+  for (Index i = 0; i < l && !assign_first; ++i) {
     Index best = 0;
     for (Index r = 1; r < st.size(); ++r)
       if (kc.row(i).dot(st.dk.row(r)) > kc.row(i).dot(st.dk.row(best))) best = r;

@@ -62,7 +62,7 @@ struct Growth {
 
 // How the m new centroids of a chunk are chosen among its keys.
 struct Seeding {
-  enum class Kind { spread, random };
+  enum class Kind { spread, random, lowest_similarity };
   Kind kind = Kind::spread;
   std::uint64_t seed = 0;
 
@@ -70,6 +70,11 @@ struct Seeding {
   static Seeding spread() { return {Kind::spread, 0}; }
   // Distinct chunk rows drawn by a generator seeded with (seed, chunk index).
   static Seeding random(std::uint64_t seed) { return {Kind::random, seed}; }
+  // Assignment before seeding (the public OVQ implementation's reading, docs/math.md): every
+  // chunk key is assigned to its nearest old row; the m keys least similar to their nearest
+  // (ties: the first key) then open rows of their own, alone. Into an empty dictionary key 0
+  // opens row 0 and takes every key but the m - 1 least similar to it, which open the others.
+  static Seeding lowest_similarity() { return {Kind::lowest_similarity, 0}; }
 };
 
 // How an assigned centroid moves towards the mean of its new members.
