@@ -517,9 +517,12 @@ std::optional<Config> parse_command_line(int argc, char** argv) {
                                                         {"lowest_similarity",
                                                          SeedingKind::lowest_similarity}})
                            : SeedingKind::spread;
+      if (seeding != SeedingKind::random && has("--seed"))
+        throw UsageError("--seed applies to --seeding random only");
       if (seeding == SeedingKind::spread) {
-        if (has("--seed")) throw UsageError("--seed applies to --seeding random only");
         o.seeding = ovq::Seeding::spread();
+      } else if (seeding == SeedingKind::lowest_similarity) {
+        o.seeding = ovq::Seeding::lowest_similarity();
       } else {
         o.seeding = ovq::Seeding::random(has("--seed") ? parse_uint("--seed", value("--seed")) : 0);
       }

@@ -270,6 +270,8 @@ configs = [
     ("ovq", ["--capacity", 9, "--chunk", 4, "--growth", "linear", "--rate", 0.5,
              "--seeding", "random", "--seed", 7, "--lr", "constant", "--eta", 0.3, "--renormalize"]),
     ("ovq", ["--capacity", 20, "--chunk", 6, "--growth", "dirichlet", "--alpha", 3]),
+    ("ovq", ["--capacity", 10, "--chunk", 5, "--growth", "saturating",
+             "--seeding", "lowest_similarity"]),
 ]
 for dtype in (np.float32, np.float64):
     dn = np.dtype(dtype).name
