@@ -102,6 +102,18 @@ std::string shape_string(const nb::ndarray<nb::ro>& a) {
   return s + (a.ndim() == 1 ? ",)" : ")");
 }
 
+// The name of an array's element type, if ovq computes in it.
+std::string element_of_array(const InArray& a, const char* where, const char* name) {
+  for (const char* element : {"float32", "float64", "bfloat16", "float16"}) {
+    const bool match =
+        with_element(element, [&](auto s) { return a.dtype() == dlpack_dtype<decltype(s)>(); });
+    if (match) return element;
+  }
+  throw nb::type_error(str(where, ": ", name, " has dtype ", dtype_name(a.dtype()),
+                           ", expected float32, float64, bfloat16 or float16")
+                           .c_str());
+}
+
 // The array seen read-only, whatever its writability (for the common checks).
 template <class A>
 InArray as_input(const A& a) {
@@ -397,37 +409,32 @@ class Kwargs {
 
 // One list of fields per mixer, read from keyword arguments and written back as a dict: the
 // state file's list where its names are the keywords (OVQ's file flattens its policies).
-struct SelfFamily {
+struct StateFileFields {
+  template <class O, class V>
+  static void fields(O& o, V&& v) {
+    io::state_detail::visit_options(o, std::forward<V>(v));
+  }
+};
+
+struct SelfFamily : StateFileFields {
   template <class S>
   using Mixer = SelfAttention<S>;
   using Options = SelfAttentionOptions;
   static constexpr const char* name = "SelfAttention";
-  template <class O, class V>
-  static void fields(O& o, V&& v) {
-    io::state_detail::visit_options(o, std::forward<V>(v));  // the state file's names
-  }
 };
 
-struct LinearFamily {
+struct LinearFamily : StateFileFields {
   template <class S>
   using Mixer = LinearAttention<S>;
   using Options = LinearAttentionOptions;
   static constexpr const char* name = "LinearAttention";
-  template <class O, class V>
-  static void fields(O& o, V&& v) {
-    io::state_detail::visit_options(o, std::forward<V>(v));  // the state file's names
-  }
 };
 
-struct VqFamily {
+struct VqFamily : StateFileFields {
   template <class S>
   using Mixer = VqAttention<S>;
   using Options = VqAttentionOptions;
   static constexpr const char* name = "VQAttention";
-  template <class O, class V>
-  static void fields(O& o, V&& v) {
-    io::state_detail::visit_options(o, std::forward<V>(v));  // the state file's names
-  }
 };
 
 struct OvqFamily {
@@ -567,64 +574,43 @@ decltype(auto) visit(const PyState<F>& st, Fn&& fn) {
 template <class State>
 using element_of = typename State::scalar_type;
 
-// forward(state, q (T, dk), k (T, dk), v (T, dv), out (T, dv), lse (T) or None, threads)
+// forward (ndim 2: q, k (T, dk), v, out (T, dv), lse (T,) or none) and step (ndim 1: q, k (dk,),
+// v, out (dv,), no lse): the same checks and the same call, on one row or T.
 template <class F>
-void forward(const PyMixer<F>& self, PyState<F>& st, const InArray& q, const InArray& k,
-             const InArray& v, const OutArray& out, const std::optional<OutArray>& lse,
-             int threads) {
+void read_call(const char* where, std::size_t ndim, const PyMixer<F>& self, PyState<F>& st,
+               const InArray& q, const InArray& k, const InArray& v, const OutArray& out,
+               const std::optional<OutArray>& lse, int threads) {
+  const bool rows = ndim == 2;
   visit(st, [&](auto& state) {
     using S = element_of<std::decay_t<decltype(state)>>;
-    const char* where = "forward";
     const auto& mixer = typed_mixer<F, S>(self);
-    check_array<S>(where, "q", q, 2, "(T, dk)");
-    check_array<S>(where, "k", k, 2, "(T, dk)");
-    check_array<S>(where, "v", v, 2, "(T, dv)");
-    check_array<S>(where, "out", as_input(out), 2, "(T, dv)");
-    check_disjoint(where, "out", as_input(out), {{"q", &q}, {"k", &k}, {"v", &v}});
-    std::optional<InArray> lse_in;
+    check_array<S>(where, "q", q, ndim, rows ? "(T, dk)" : "(dk,)");
+    check_array<S>(where, "k", k, ndim, rows ? "(T, dk)" : "(dk,)");
+    check_array<S>(where, "v", v, ndim, rows ? "(T, dv)" : "(dv,)");
+    const InArray out_in = as_input(out);
+    check_array<S>(where, "out", out_in, ndim, rows ? "(T, dv)" : "(dv,)");
+    check_disjoint(where, "out", out_in, {{"q", &q}, {"k", &k}, {"v", &v}});
+    Compute<S>* lse_ptr = nullptr;
     if (lse) {
       if (!MixerOf<F, S>::kHasLogSumExp)
         throw nb::value_error("forward: return_lse: linear attention has no softmax, so no "
                               "log-sum-exp");
-      lse_in = as_input(*lse);
-      check_array<Compute<S>>(where, "lse", *lse_in, 1, "(T,)");
-      if (static_cast<Index>(lse_in->shape(0)) != static_cast<Index>(q.shape(0)))
-        throw nb::value_error(str(where, ": lse has ", lse_in->shape(0), " entries, expected ",
+      const InArray lse_in = as_input(*lse);
+      check_array<Compute<S>>(where, "lse", lse_in, 1, "(T,)");
+      if (static_cast<Index>(lse_in.shape(0)) != static_cast<Index>(q.shape(0)))
+        throw nb::value_error(str(where, ": lse has ", lse_in.shape(0), " entries, expected ",
                                   q.shape(0), " (the rows of q)")
                                   .c_str());
-      const InArray out_in = as_input(out);
-      check_disjoint(where, "lse", *lse_in, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out_in}});
+      check_disjoint(where, "lse", lse_in, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out_in}});
+      lse_ptr = static_cast<Compute<S>*>(lse->data());
     }
     const ConstRowsView<S> qv = rows_of<S>(q);
     const RowsView<S> ov = rows_of<S>(out);
-    Compute<S>* lse_ptr = lse ? static_cast<Compute<S>*>(lse->data()) : nullptr;
     nb::gil_scoped_release release;
     std::lock_guard<std::mutex> lock(*st.mutex);
     ThreadScope scope(threads);
     mixer.forward_heads(state, &qv, 1, rows_of<S>(k), rows_of<S>(v), &ov, where,
                         lse_ptr ? &lse_ptr : nullptr);
-  });
-}
-
-// step(state, q (dk), k (dk), v (dv), out (dv), threads)
-template <class F>
-void step(const PyMixer<F>& self, PyState<F>& st, const InArray& q, const InArray& k,
-          const InArray& v, const OutArray& out, int threads) {
-  visit(st, [&](auto& state) {
-    using S = element_of<std::decay_t<decltype(state)>>;
-    const char* where = "step";
-    const auto& mixer = typed_mixer<F, S>(self);
-    check_array<S>(where, "q", q, 1, "(dk,)");
-    check_array<S>(where, "k", k, 1, "(dk,)");
-    check_array<S>(where, "v", v, 1, "(dv,)");
-    check_array<S>(where, "out", as_input(out), 1, "(dv,)");
-    check_disjoint(where, "out", as_input(out), {{"q", &q}, {"k", &k}, {"v", &v}});
-    const ConstRowsView<S> qv = rows_of<S>(q);
-    const RowsView<S> ov = rows_of<S>(out);
-    nb::gil_scoped_release release;
-    std::lock_guard<std::mutex> lock(*st.mutex);
-    ThreadScope scope(threads);
-    mixer.forward_heads(state, &qv, 1, rows_of<S>(k), rows_of<S>(v), &ov, where);
   });
 }
 
@@ -1010,13 +996,13 @@ nb::class_<PyMixer<F>> bind_mixer(nb::module_& m, const char* layer_name) {
          const char* w = "forward";
          const InArray qa = input(q, w, "q"), ka = input(k, w, "k"), va = input(v, w, "v");
          const OutArray oa = output(out, w, "out");
-         forward(self, st, qa, ka, va, oa, optional_output(lse, w, "lse"), threads);
+         read_call(w, 2, self, st, qa, ka, va, oa, optional_output(lse, w, "lse"), threads);
        }, "state"_a, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(), "threads"_a)
       .def("_step", [](const M& self, St& st, nb::handle q, nb::handle k, nb::handle v,
                        nb::handle out, int threads) {
          const char* w = "step";
          const InArray qa = input(q, w, "q"), ka = input(k, w, "k"), va = input(v, w, "v");
-         step(self, st, qa, ka, va, output(out, w, "out"), threads);
+         read_call(w, 1, self, st, qa, ka, va, output(out, w, "out"), std::nullopt, threads);
        }, "state"_a, "q"_a, "k"_a, "v"_a, "out"_a, "threads"_a)
       .def("_absorb", [](const M& self, St& st, nb::handle k, nb::handle v, int threads) {
          const InArray ka = input(k, "absorb", "k"), va = input(v, "absorb", "v");
@@ -1123,14 +1109,7 @@ void bind_vq_state(nb::class_<PyMixer<VqFamily>>& cls) {
   using F = VqFamily;
   using M = PyMixer<F>;
   cls.def("_make_state", [](const M& self, const InArray& codebook, Index dv) {
-    const std::string dtype = [&] {
-      for (const char* name : {"float32", "float64", "bfloat16", "float16"}) {
-        bool match = with_element(name, [&](auto s) { return codebook.dtype() == dlpack_dtype<decltype(s)>(); });
-        if (match) return std::string(name);
-      }
-      throw nb::type_error(str("make_state: codebook has dtype ", dtype_name(codebook.dtype()),
-                               ", expected float32, float64, bfloat16 or float16").c_str());
-    }();
+    const std::string dtype = element_of_array(codebook, "make_state", "codebook");
     return with_element(dtype, [&](auto s) {
       using S = decltype(s);
       check_codebook<S>(codebook);
@@ -1142,14 +1121,7 @@ void bind_vq_state(nb::class_<PyMixer<VqFamily>>& cls) {
   });
   // codebooks: (Hkv, S, dk), one codebook per key/value head.
   cls.def("_make_layer", [](const M& self, Index batch, Index hq, const InArray& codebooks, Index dv) {
-    const std::string dtype = [&] {
-      for (const char* name : {"float32", "float64", "bfloat16", "float16"}) {
-        bool match = with_element(name, [&](auto s) { return codebooks.dtype() == dlpack_dtype<decltype(s)>(); });
-        if (match) return std::string(name);
-      }
-      throw nb::type_error(str("MultiHead: codebooks have dtype ", dtype_name(codebooks.dtype()),
-                               ", expected float32, float64, bfloat16 or float16").c_str());
-    }();
+    const std::string dtype = element_of_array(codebooks, "MultiHead", "codebooks");
     return with_element(dtype, [&](auto s) {
       using S = decltype(s);
       check_array<S>("MultiHead", "codebooks", codebooks, 3, "(Hkv, S, dk)");
@@ -1324,12 +1296,7 @@ void merge(const OutArray& o_a, const OutArray& lse_a, const InArray& o_b, const
     merge_partials(a, static_cast<C*>(lse_a.data()), b, static_cast<const C*>(lse_b.data()));
   };
   if (oa.ndim() < 1) throw nb::value_error("merge: o_a must have at least one dimension");
-  for (const char* name : {"float32", "float64", "bfloat16", "float16"}) {
-    const bool match = with_element(name, [&](auto s) { return oa.dtype() == dlpack_dtype<decltype(s)>(); });
-    if (match) return with_element(name, run);
-  }
-  throw nb::type_error(str(where, ": o_a has dtype ", dtype_name(oa.dtype()),
-                           ", expected float32, float64, bfloat16 or float16").c_str());
+  with_element(element_of_array(oa, where, "o_a"), run);
 }
 
 // fit_codebook(keys (n, dk), size, ...) -> (size, dk), of keys' dtype (float32 or float64).
