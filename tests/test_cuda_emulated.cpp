@@ -548,7 +548,7 @@ TEST_CASE("cuda mixers (emulated): bad shapes throw the CPU's ArgumentError befo
   OvqOptions assign_first;
   assign_first.seeding = Seeding::lowest_similarity();
   CHECK_THROWS_MATCHES(Ovq(assign_first), ArgumentError,
-                       MessageHas({"lowest_similarity", "not implemented on CUDA"}));
+                       MessageHas({"seeding = lowest_similarity", "expected spread or random"}));
   CHECK_THROWS_MATCHES(mixer.make_state(2, 300, 8), ArgumentError, MessageHas({"dk = 300"}));
 
   // A NaN in V: the call runs, changes nothing, and the next synchronize reports it.

@@ -234,8 +234,8 @@ class BasicOvqAttention {
     const char* where = "cuda::OvqAttention";
     options_.validate(where);
     detail::require(options_.seeding.kind != Seeding::Kind::lowest_similarity, where,
-                    "seeding lowest_similarity is not implemented on CUDA yet, expected spread "
-                    "or random");
+                    "seeding = lowest_similarity, expected spread or random (the CUDA mixers' "
+                    "seedings; lowest_similarity runs on the CPU mixers)");
     ovq::detail::check_scalar_range<Scalar>(where, "beta", options_.beta);
     ovq::detail::require(options_.chunk <= kMaxDeviceChunk, where, "chunk = ", options_.chunk,
                          ", expected at most ", kMaxDeviceChunk, " on CUDA");
