@@ -699,30 +699,38 @@ struct PyMultiHead {
   std::unique_ptr<std::mutex> mutex = std::make_unique<std::mutex>();
 };
 
+// The layer's forward (ndim 4: q (B, Hq, T, dk), k, v (B, Hkv, T, d), out (B, Hq, T, dv), lse
+// (B, Hq, T) or none) and step (ndim 3: the same without T). The leading dimensions are checked
+// against the layer's: the layer itself sees only rows, and (B, H) of another split with the
+// same product would be read as a different layout.
 template <class F>
-void mh_forward(PyMultiHead<F>& self, const InArray& q, const InArray& k, const InArray& v,
-                const OutArray& out, const std::optional<OutArray>& lse, int threads) {
+void mh_read(const char* where, std::size_t ndim, PyMultiHead<F>& self, const InArray& q,
+             const InArray& k, const InArray& v, const OutArray& out,
+             const std::optional<OutArray>& lse, int threads) {
+  const bool tokens = ndim == 4;
   std::visit(
       [&](auto& layer) {
         using S = typename std::decay_t<decltype(layer)>::Scalar;
-        const char* where = "forward";
-        check_array<S>(where, "q", q, 4, "(B, Hq, T, dk)");
-        check_array<S>(where, "k", k, 4, "(B, Hkv, T, dk)");
-        check_array<S>(where, "v", v, 4, "(B, Hkv, T, dv)");
-        check_array<S>(where, "out", as_input(out), 4, "(B, Hq, T, dv)");
-        check_disjoint(where, "out", as_input(out), {{"q", &q}, {"k", &k}, {"v", &v}});
-        const auto want = [&](const char* name, const InArray& a, Index b, Index h, Index t) {
-          if (static_cast<Index>(a.shape(0)) != b || static_cast<Index>(a.shape(1)) != h ||
-              static_cast<Index>(a.shape(2)) != t)
+        check_array<S>(where, "q", q, ndim, tokens ? "(B, Hq, T, dk)" : "(B, Hq, dk)");
+        check_array<S>(where, "k", k, ndim, tokens ? "(B, Hkv, T, dk)" : "(B, Hkv, dk)");
+        check_array<S>(where, "v", v, ndim, tokens ? "(B, Hkv, T, dv)" : "(B, Hkv, dv)");
+        const InArray out_in = as_input(out);
+        check_array<S>(where, "out", out_in, ndim, tokens ? "(B, Hq, T, dv)" : "(B, Hq, dv)");
+        check_disjoint(where, "out", out_in, {{"q", &q}, {"k", &k}, {"v", &v}});
+        const Index t = tokens ? static_cast<Index>(q.shape(2)) : 1;
+        const auto want = [&](const char* name, const InArray& a, Index h) {
+          if (static_cast<Index>(a.shape(0)) != layer.batch() ||
+              static_cast<Index>(a.shape(1)) != h ||
+              (tokens && static_cast<Index>(a.shape(2)) != t))
             throw nb::value_error(str(where, ": ", name, " has shape ", shape_string(a),
-                                      ", expected (", b, ", ", h, ", ", t, ", ...)")
+                                      ", expected (", layer.batch(), ", ", h,
+                                      tokens ? str(", ", t) : std::string(), ", ...)")
                                       .c_str());
         };
-        const Index t = static_cast<Index>(q.shape(2));
-        want("q", q, layer.batch(), layer.query_heads(), t);
-        want("k", k, layer.batch(), layer.kv_heads(), t);
-        want("v", v, layer.batch(), layer.kv_heads(), t);
-        want("out", as_input(out), layer.batch(), layer.query_heads(), t);
+        want("q", q, layer.query_heads());
+        want("k", k, layer.kv_heads());
+        want("v", v, layer.kv_heads());
+        want("out", out_in, layer.query_heads());
         Compute<S>* lse_ptr = nullptr;
         if (lse) {
           if (!MixerOf<F, S>::kHasLogSumExp)
@@ -730,8 +738,7 @@ void mh_forward(PyMultiHead<F>& self, const InArray& q, const InArray& k, const 
                                   "log-sum-exp");
           const InArray lse_in = as_input(*lse);
           check_array<Compute<S>>(where, "lse", lse_in, 3, "(B, Hq, T)");
-          want("lse", lse_in, layer.batch(), layer.query_heads(), t);
-          const InArray out_in = as_input(out);
+          want("lse", lse_in, layer.query_heads());
           check_disjoint(where, "lse", lse_in, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out_in}});
           lse_ptr = static_cast<Compute<S>*>(lse->data());
         }
@@ -741,41 +748,17 @@ void mh_forward(PyMultiHead<F>& self, const InArray& q, const InArray& k, const 
         std::lock_guard<std::mutex> lock(*self.mutex);
         ThreadScope scope(threads);
         using Map = Eigen::Map<const RowMatrix<S>>;
-        using OutMap = Eigen::Map<RowMatrix<S>>;
         const Map qm(qv.data, qv.rows, qv.cols), km(kv.data, kv.rows, kv.cols),
             vm(vv.data, vv.rows, vv.cols);
-        OutMap om(ov.data, ov.rows, ov.cols);
-        if (lse_ptr) {
+        Eigen::Map<RowMatrix<S>> om(ov.data, ov.rows, ov.cols);
+        if (!tokens) {
+          layer.step(qm, km, vm, om);
+        } else if (lse_ptr) {
           Eigen::Map<RowVector<Compute<S>>> lm(lse_ptr, qv.rows);
           layer.forward(qm, km, vm, om, lm);
         } else {
           layer.forward(qm, km, vm, om);
         }
-      },
-      self.layer);
-}
-
-template <class F>
-void mh_step(PyMultiHead<F>& self, const InArray& q, const InArray& k, const InArray& v,
-             const OutArray& out, int threads) {
-  std::visit(
-      [&](auto& layer) {
-        using S = typename std::decay_t<decltype(layer)>::Scalar;
-        const char* where = "step";
-        check_array<S>(where, "q", q, 3, "(B, Hq, dk)");
-        check_array<S>(where, "k", k, 3, "(B, Hkv, dk)");
-        check_array<S>(where, "v", v, 3, "(B, Hkv, dv)");
-        check_array<S>(where, "out", as_input(out), 3, "(B, Hq, dv)");
-        check_disjoint(where, "out", as_input(out), {{"q", &q}, {"k", &k}, {"v", &v}});
-        const ConstRowsView<S> qv = rows_of<S>(q), kv = rows_of<S>(k), vv = rows_of<S>(v);
-        const RowsView<S> ov = rows_of<S>(out);
-        nb::gil_scoped_release release;
-        std::lock_guard<std::mutex> lock(*self.mutex);
-        ThreadScope scope(threads);
-        using Map = Eigen::Map<const RowMatrix<S>>;
-        Eigen::Map<RowMatrix<S>> om(ov.data, ov.rows, ov.cols);
-        layer.step(Map(qv.data, qv.rows, qv.cols), Map(kv.data, kv.rows, kv.cols),
-                   Map(vv.data, vv.rows, vv.cols), om);
       },
       self.layer);
 }
@@ -804,7 +787,7 @@ template <class F>
 double mh_time_steps(PyMultiHead<F>& self, const InArray& q, const InArray& k, const InArray& v,
                      const OutArray& out, int iters, int threads) {
   if (iters < 1) throw nb::value_error("iters must be >= 1");
-  mh_step(self, q, k, v, out, threads);  // checks the arguments once
+  mh_read("step", 3, self, q, k, v, out, std::nullopt, threads);  // checks the arguments once
   return std::visit(
       [&](auto& layer) {
         using S = typename std::decay_t<decltype(layer)>::Scalar;
@@ -1054,13 +1037,13 @@ nb::class_<PyMixer<F>> bind_mixer(nb::module_& m, const char* layer_name) {
          const char* w = "forward";
          const InArray qa = input(q, w, "q"), ka = input(k, w, "k"), va = input(v, w, "v");
          const OutArray oa = output(out, w, "out");
-         mh_forward(l, qa, ka, va, oa, optional_output(lse, w, "lse"), threads);
+         mh_read(w, 4, l, qa, ka, va, oa, optional_output(lse, w, "lse"), threads);
        }, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(), "threads"_a)
       .def("_step", [](L& l, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
                        int threads) {
          const char* w = "step";
          const InArray qa = input(q, w, "q"), ka = input(k, w, "k"), va = input(v, w, "v");
-         mh_step(l, qa, ka, va, output(out, w, "out"), threads);
+         mh_read(w, 3, l, qa, ka, va, output(out, w, "out"), std::nullopt, threads);
        }, "q"_a, "k"_a, "v"_a, "out"_a, "threads"_a)
       .def("_absorb", [](L& l, nb::handle k, nb::handle v, int threads) {
          const InArray ka = input(k, "absorb", "k"), va = input(v, "absorb", "v");
