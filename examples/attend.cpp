@@ -78,6 +78,9 @@ Options for every mixer
   --split a,b,...       feed the sequence as consecutive forward calls of these
                         lengths (integers >= 0 that must add up to T)
   --threads N           run key/value heads on at most N threads (0: OpenMP's default)
+  --head-betas B,...    self, vq, ovq: one logit scale per query head (Hq numbers) in
+                        place of --beta; under --value-update delta the query heads of
+                        one key/value head must share theirs
   --storage T           the element type of the run: f16, bf16, f32 or f64 (default:
                         the inputs' dtype). The inputs are rounded to it (float64 to a
                         16-bit type through float32); O is written in it, except for bf16,
@@ -114,6 +117,13 @@ vq
                         (Hkv, S, dk) with one codebook per key/value head
 
 ovq
+  --preset NAME         start from a preset; the options below override it:
+                          default    docs/math.md's reading (the defaults below)
+                          kvm        the public OVQ implementation's reading: --growth
+                                     saturating --seeding lowest_similarity
+                                     --renormalize --renormalize-values
+                          kvm-delta  kvm with --value-update delta (keys renormalised,
+                                     values not)
   --capacity N          maximum number of centroids (default 1024)
   --growth dirichlet|linear|saturating  dictionary growth schedule (default dirichlet;
                         saturating: floor(N t / (N + t)))
@@ -125,6 +135,12 @@ ovq
   --lr adaptive|constant     centroid update rate (default adaptive: running mean)
   --eta E               constant update rate, in (0, 1] (required with --lr constant)
   --renormalize         keep key centroids at unit norm
+  --renormalize-values  keep value centroids at unit norm (not with --value-update delta)
+  --no-count-bias       read the centroids without the log-count bias (counts then set
+                        the update rates only)
+  --value-update mean|delta  value rows: running mean of their members (default), or
+                        delta rule: moved by the members' residuals against the read
+                        of the dictionary before the chunk with the key as the query
 
 vq and ovq
   --state-out P         write the final state of every key/value head: its active
@@ -219,6 +235,7 @@ const OptionSpec kOptions[] = {
     {"--storage", true, kAll},
     {"--load-state", true, kAll},
     {"--save-state", true, kAll},
+    {"--head-betas", true, kSelf | kVq | kOvq},
     {"--window", true, kSelf},
     {"--noncausal", false, kSelf},
     {"--feature-map", true, kLinear},
@@ -234,6 +251,10 @@ const OptionSpec kOptions[] = {
     {"--lr", true, kOvq},
     {"--eta", true, kOvq},
     {"--renormalize", false, kOvq},
+    {"--preset", true, kOvq},
+    {"--renormalize-values", false, kOvq},
+    {"--no-count-bias", false, kOvq},
+    {"--value-update", true, kOvq},
     {"--state-out", true, kVq | kOvq},
 };
 
@@ -288,21 +309,34 @@ double parse_double(const std::string& opt, const std::string& text) {
   return v;
 }
 
-std::vector<std::int64_t> parse_split(const std::string& opt, const std::string& text) {
-  std::vector<std::int64_t> lengths;
+// The comma-separated items of an option's value; an empty item is a usage error.
+std::vector<std::string> comma_items(const std::string& opt, const std::string& text) {
+  std::vector<std::string> items;
   std::size_t start = 0;
   for (;;) {
     const std::size_t comma = text.find(',', start);
-    const std::string item =
-        text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
-    if (item.empty()) throw UsageError(opt + ": '" + text + "' has an empty length");
+    items.push_back(
+        text.substr(start, comma == std::string::npos ? std::string::npos : comma - start));
+    if (items.back().empty()) throw UsageError(opt + ": '" + text + "' has an empty entry");
+    if (comma == std::string::npos) return items;
+    start = comma + 1;
+  }
+}
+
+std::vector<std::int64_t> parse_split(const std::string& opt, const std::string& text) {
+  std::vector<std::int64_t> lengths;
+  for (const std::string& item : comma_items(opt, text)) {
     const std::int64_t len = parse_int(opt, item);
     if (len < 0) throw UsageError(opt + ": length " + item + " is negative, expected >= 0");
     lengths.push_back(len);
-    if (comma == std::string::npos) break;
-    start = comma + 1;
   }
   return lengths;
+}
+
+std::vector<double> parse_double_list(const std::string& opt, const std::string& text) {
+  std::vector<double> values;
+  for (const std::string& item : comma_items(opt, text)) values.push_back(parse_double(opt, item));
+  return values;
 }
 
 template <class T>
@@ -330,6 +364,7 @@ struct Config {
   std::optional<std::string> state_out;
   std::optional<std::string> load_state;
   std::optional<std::string> save_state;
+  std::vector<double> head_betas;  // empty: --beta for every head
 
   ovq::SelfAttentionOptions self;
   ovq::LinearAttentionOptions linear;
@@ -419,6 +454,10 @@ std::optional<Config> parse_command_line(int argc, char** argv) {
                        "-DOVQ_ENABLE_CUDA=ON where nvcc is installed)");
 #endif
   }
+  if (has("--head-betas")) {
+    cfg.head_betas = parse_double_list("--head-betas", value("--head-betas"));
+    if (cfg.cuda) throw UsageError("--head-betas: not with --device cuda (CPU mixers only)");
+  }
   if (has("--storage")) {
     cfg.storage = parse_choice<std::string>(
         "--storage", value("--storage"), {{"f16", "f16"}, {"bf16", "bf16"}, {"f32", "f32"}, {"f64", "f64"}});
@@ -484,18 +523,29 @@ std::optional<Config> parse_command_line(int argc, char** argv) {
     }
     case MixerKind::ovq: {
       ovq::OvqOptions& o = cfg.ovq;
+      if (has("--preset")) {
+        o = parse_choice<ovq::OvqOptions>("--preset", value("--preset"),
+                                          {{"default", ovq::OvqOptions::preset("default")},
+                                           {"kvm", ovq::OvqOptions::preset("kvm")},
+                                           {"kvm-delta", ovq::OvqOptions::preset("kvm-delta")}});
+      }
       if (beta) o.beta = *beta;
       if (chunk) o.chunk = *chunk;
       if (has("--capacity")) {
         o.capacity = static_cast<Index>(parse_int("--capacity", value("--capacity")));
       }
+      // Policies not given keep the preset's (the defaults without --preset).
       enum class GrowthKind { dirichlet, linear, saturating };
+      const GrowthKind preset_growth =
+          o.growth.kind == ovq::Growth::Kind::saturating ? GrowthKind::saturating
+          : o.growth.kind == ovq::Growth::Kind::linear   ? GrowthKind::linear
+                                                         : GrowthKind::dirichlet;
       const GrowthKind growth =
           has("--growth") ? parse_choice<GrowthKind>("--growth", value("--growth"),
                                                      {{"dirichlet", GrowthKind::dirichlet},
                                                       {"linear", GrowthKind::linear},
                                                       {"saturating", GrowthKind::saturating}})
-                          : GrowthKind::dirichlet;
+                          : preset_growth;
       if (growth == GrowthKind::saturating) {
         if (has("--rate") || has("--alpha"))
           throw UsageError("--rate and --alpha do not apply to --growth saturating");
@@ -510,13 +560,17 @@ std::optional<Config> parse_command_line(int argc, char** argv) {
                                                      : 1.0);
       }
       enum class SeedingKind { spread, random, lowest_similarity };
+      const SeedingKind preset_seeding =
+          o.seeding.kind == ovq::Seeding::Kind::lowest_similarity ? SeedingKind::lowest_similarity
+          : o.seeding.kind == ovq::Seeding::Kind::random          ? SeedingKind::random
+                                                                  : SeedingKind::spread;
       const SeedingKind seeding =
           has("--seeding") ? parse_choice<SeedingKind>("--seeding", value("--seeding"),
                                                        {{"spread", SeedingKind::spread},
                                                         {"random", SeedingKind::random},
                                                         {"lowest_similarity",
                                                          SeedingKind::lowest_similarity}})
-                           : SeedingKind::spread;
+                           : preset_seeding;
       if (seeding != SeedingKind::random && has("--seed"))
         throw UsageError("--seed applies to --seeding random only");
       if (seeding == SeedingKind::spread) {
@@ -539,7 +593,14 @@ std::optional<Config> parse_command_line(int argc, char** argv) {
         if (!has("--eta")) throw UsageError("--lr constant needs --eta");
         o.rate = ovq::UpdateRate::constant(parse_double("--eta", value("--eta")));
       }
-      o.renormalize = has("--renormalize");
+      if (has("--renormalize")) o.renormalize = true;
+      if (has("--renormalize-values")) o.renormalize_values = true;
+      if (has("--no-count-bias")) o.count_bias = false;
+      if (has("--value-update")) {
+        o.value_update = parse_choice<ovq::ValueUpdate>("--value-update", value("--value-update"),
+                                                        {{"mean", ovq::ValueUpdate::mean},
+                                                         {"delta", ovq::ValueUpdate::delta}});
+      }
       o.validate();
       break;
     }
@@ -854,6 +915,7 @@ void run(const Config& cfg, const Array3& qa, const Array3& ka, const Array3& va
     case MixerKind::self: {
       ovq::MultiHead<ovq::SelfAttention<Scalar>> layer(ovq::SelfAttention<Scalar>(cfg.self), 1,
                                                        d.hq, d.hkv, d.dk, d.dv);
+      if (!cfg.head_betas.empty()) layer.set_head_betas(cfg.head_betas);
       if (cfg.load_state) load_layer_state(layer, *cfg.load_state);
       finish(layer, cfg, d, qa, q, k, v);
       break;
@@ -904,6 +966,7 @@ void run(const Config& cfg, const Array3& qa, const Array3& ka, const Array3& va
         states.push_back(mixer.make_state(book, d.dv));
       }
       ovq::MultiHead<ovq::VqAttention<Scalar>> layer(mixer, 1, d.hq, states);
+      if (!cfg.head_betas.empty()) layer.set_head_betas(cfg.head_betas);
       if (cfg.load_state) {
         load_layer_state(layer, *cfg.load_state);
         check_loaded_codebooks(layer, states, cfg);
@@ -914,6 +977,7 @@ void run(const Config& cfg, const Array3& qa, const Array3& ka, const Array3& va
     case MixerKind::ovq: {
       ovq::MultiHead<ovq::OvqAttention<Scalar>> layer(ovq::OvqAttention<Scalar>(cfg.ovq), 1,
                                                       d.hq, d.hkv, d.dk, d.dv);
+      if (!cfg.head_betas.empty()) layer.set_head_betas(cfg.head_betas);
       if (cfg.load_state) load_layer_state(layer, *cfg.load_state);
       finish(layer, cfg, d, qa, q, k, v);
       break;

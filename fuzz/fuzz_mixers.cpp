@@ -329,6 +329,9 @@ OvqOptions ovq_options(Input& in) {
                           : Seeding::spread();
   o.rate = in.flag() ? UpdateRate::constant(in.pick(kEta)) : UpdateRate::adaptive();
   o.renormalize = in.flag();
+  o.value_update = in.flag() ? ValueUpdate::delta : ValueUpdate::mean;
+  o.renormalize_values = o.value_update == ValueUpdate::mean && in.flag();
+  o.count_bias = !in.flag();
   return o;
 }
 
@@ -356,7 +359,9 @@ std::string describe(const OvqOptions& o) {
                                                 : "lowest_similarity",
       " seed=", o.seeding.seed,
       " update=", o.rate.kind == UpdateRate::Kind::adaptive ? "adaptive" : "constant",
-      " eta=", o.rate.eta, " renormalize=", o.renormalize);
+      " eta=", o.rate.eta, " renormalize=", o.renormalize,
+      " renormalize_values=", o.renormalize_values, " count_bias=", o.count_bias,
+      " value_update=", o.value_update == ValueUpdate::delta ? "delta" : "mean");
 }
 
 Index pick_tokens(Input& in, Index chunk, Index to_boundary) {

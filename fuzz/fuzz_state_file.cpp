@@ -16,7 +16,7 @@
 //   - decode_state returns or throws ovq::FormatError (nothing else, no crash, no UB, no
 //     allocation beyond what the file's bytes justify: libFuzzer's -rss_limit_mb / malloc limit);
 //   - a multi-head decode that throws leaves the layer unchanged;
-//   - a decoded state encodes back to exactly the input bytes (a version-1 file: to a version-2
+//   - a decoded state encodes back to exactly the input bytes (an older file: to a version-3
 //     file that decodes to the same state and encodes to itself);
 //   - a decoded state can be used: a forward call that completes a chunk runs without a crash,
 //     UB or an exception other than ovq::ArgumentError (which must leave the state unchanged).
@@ -88,7 +88,7 @@ void fix_frame(Bytes& file) {
 
 // ---- options as stored (see visit_options in ovq/io/state_file.hpp) ----
 
-bool read_options(Fields& f, SelfAttentionOptions& o) {
+bool read_options(Fields& f, SelfAttentionOptions& o, std::uint32_t /*version*/) {
   o.beta = f.get<double>();
   const auto causal = f.get<std::uint32_t>();
   o.window = f.get<std::int64_t>();
@@ -97,7 +97,7 @@ bool read_options(Fields& f, SelfAttentionOptions& o) {
   return f.ok() && causal <= 1;
 }
 
-bool read_options(Fields& f, LinearAttentionOptions& o) {
+bool read_options(Fields& f, LinearAttentionOptions& o, std::uint32_t /*version*/) {
   o.beta = f.get<double>();
   const auto map = f.get<std::uint32_t>();
   const auto normalize = f.get<std::uint32_t>();
@@ -111,13 +111,13 @@ bool read_options(Fields& f, LinearAttentionOptions& o) {
   return f.ok() && map <= 2 && normalize <= 1 && o.chunk <= 4096;
 }
 
-bool read_options(Fields& f, VqAttentionOptions& o) {
+bool read_options(Fields& f, VqAttentionOptions& o, std::uint32_t /*version*/) {
   o.beta = f.get<double>();
   o.chunk = f.get<std::int64_t>();
   return f.ok() && o.chunk <= 4096;  // modest chunks only, as for linear attention and OVQ
 }
 
-bool read_options(Fields& f, OvqOptions& o) {
+bool read_options(Fields& f, OvqOptions& o, std::uint32_t version) {
   o.capacity = f.get<std::int64_t>();
   o.chunk = f.get<std::int64_t>();
   o.beta = f.get<double>();
@@ -133,10 +133,20 @@ bool read_options(Fields& f, OvqOptions& o) {
   o.seeding.kind = static_cast<Seeding::Kind>(seeding);
   o.rate.kind = static_cast<UpdateRate::Kind>(rate);
   o.renormalize = renormalize != 0;
+  // Format version 3 added three fields (older files mean their defaults).
+  std::uint32_t values = 0, bias = 1, update = 0;
+  if (version >= 3) {
+    values = f.get<std::uint32_t>();
+    bias = f.get<std::uint32_t>();
+    update = f.get<std::uint32_t>();
+  }
+  o.renormalize_values = values != 0;
+  o.count_bias = bias != 0;
+  o.value_update = static_cast<ValueUpdate>(update);
   // A mixer's capacity and chunk are the caller's choice (they size every state it makes);
   // the fuzzer only mirrors modest ones.
   return f.ok() && growth <= 2 && seeding <= 2 && rate <= 1 && renormalize <= 1 &&
-         o.capacity <= 4096 && o.chunk <= 4096;
+         values <= 1 && bias <= 1 && update <= 1 && o.capacity <= 4096 && o.chunk <= 4096;
 }
 
 // dk and dv of the first state of a multi-head payload, and the VQ codebook size.
@@ -345,8 +355,9 @@ template <class Mixer>
 void run(bool multi, const Bytes& file) {
   using Options = typename Mixer::Options;
   Fields f(file, kHeader);
+  const std::uint32_t version = file.size() >= kHeader ? file_version(file) : 0;
   Options options;
-  if (!read_options(f, options)) options = Options{};
+  if (!read_options(f, options, version)) options = Options{};
   std::optional<Mixer> mixer;
   try {
     mixer.emplace(options);
@@ -359,6 +370,13 @@ void run(bool multi, const Bytes& file) {
   }
   std::int64_t batch = f.get<std::int64_t>(), hq = f.get<std::int64_t>(),
                hkv = f.get<std::int64_t>();
+  // Version 3: the layer's head betas (taken when they are a plausible list).
+  std::vector<double> betas;
+  if (version >= 3) {
+    const std::int64_t n = f.get<std::int64_t>();
+    for (std::int64_t i = 0; i < n && i < 64 && f.ok(); ++i) betas.push_back(f.get<double>());
+    if (n != hq) betas.clear();
+  }
   StateDims dims = read_dims(f, static_cast<const Mixer*>(nullptr));
   const bool plausible = f.ok() && batch >= 1 && batch <= 16 && hkv >= 1 && hkv <= 16 &&
                          batch * hkv <= 16 && hq >= 1 && hq <= 64 && hq % hkv == 0 &&
@@ -371,6 +389,11 @@ void run(bool multi, const Bytes& file) {
   MultiHead<Mixer> layer(*mixer, batch, hq,
                          std::vector<typename Mixer::State>(static_cast<std::size_t>(hkv),
                                                             layer_state(*mixer, dims)));
+  try {
+    layer.set_head_betas(betas);
+  } catch (const ArgumentError&) {
+    // not betas this layer takes: the decode then refuses the file
+  }
   check_multi(layer, file);
 }
 

@@ -68,26 +68,35 @@ bool put_version1(io::state_detail::Writer& w, const VqState<S>& s) {
   w.put<std::int64_t>(s.codebook_size());
   w.put<std::int64_t>(s.key_dim());
   w.put<std::int64_t>(s.value_dim());
-  io::state_detail::put_dictionary_rows(w, s.dictionary());
+  io::state_detail::put_dictionary_rows(w, s.dictionary().keys(), s.dictionary());
   return true;
 }
 template <class State>
 bool put_version1(io::state_detail::Writer&, const State&) {
-  return false;  // the version-2 payload is the version-1 payload
+  return false;  // the version-3 payload is the version-1 payload
+}
+
+// The options as a version-1 or -2 file stores them: without the fields version 3 added.
+template <class Options>
+void put_options_before_version3(io::state_detail::Writer& w, const Options& options) {
+  io::state_detail::visit_options(options, [&](const char*, auto v, std::uint32_t since = 1) {
+    if (since < 3) w.put(io::state_detail::stored(v));
+  });
 }
 
 // A state with nothing pending as a version-1 file.
 template <class Mixer>
 Bytes version1_file(const Mixer& mixer, const typename Mixer::State& state) {
   using namespace io::state_detail;
-  const Bytes v2 = io::encode_state(mixer, state);
+  const Bytes v3 = io::encode_state(mixer, state);
   Writer options;
   put_options(options, mixer.options());
   const std::size_t state_at = kHeaderSize + options.bytes().size();
   Writer w;
-  for (std::size_t i = 0; i < state_at; ++i) w.put(v2[i]);
+  for (std::size_t i = 0; i < kHeaderSize; ++i) w.put(v3[i]);
+  put_options_before_version3(w, mixer.options());
   if (!put_version1(w, state))
-    for (std::size_t i = state_at; i + 4 < v2.size(); ++i) w.put(v2[i]);
+    for (std::size_t i = state_at; i + 4 < v3.size(); ++i) w.put(v3[i]);
   Writer version;
   version.put<std::uint32_t>(1);
   std::copy(version.bytes().begin(), version.bytes().end(), w.bytes().begin() + 8);
@@ -152,6 +161,9 @@ void write_state_corpus(const fs::path& dir) {
     ovq.seeding = Seeding::random(42);
     ovq.rate = UpdateRate::constant(0.25);
     ovq.renormalize = true;
+  } else {
+    ovq.value_update = ValueUpdate::delta;
+    ovq.count_bias = false;
   }
   const OvqAttention<S> ovq_mixer(ovq);
   write_states(dir, "ovq", ovq_mixer, ovq_mixer.make_state(3, 2), 8);

@@ -272,6 +272,10 @@ configs = [
     ("ovq", ["--capacity", 20, "--chunk", 6, "--growth", "dirichlet", "--alpha", 3]),
     ("ovq", ["--capacity", 10, "--chunk", 5, "--growth", "saturating",
              "--seeding", "lowest_similarity"]),
+    ("ovq", ["--preset", "kvm", "--capacity", 10, "--chunk", 5]),
+    ("ovq", ["--preset", "kvm-delta", "--capacity", 10, "--chunk", 5, "--no-count-bias"]),
+    ("ovq", ["--capacity", 12, "--chunk", 4, "--value-update", "delta", "--lr", "constant",
+             "--eta", 0.5]),
 ]
 for dtype in (np.float32, np.float64):
     dn = np.dtype(dtype).name
@@ -289,6 +293,45 @@ for dtype in (np.float32, np.float64):
             if plain is not None:
                 close(streamed, plain, dtype, "--stream vs plain: " + what)
                 close(split, plain, dtype, "--split %s vs plain: %s" % (pieces(T), what))
+
+
+# A preset is its options: --preset kvm and kvm-delta give the bits of their flags spelt out.
+Q, K, V = layouts(np.float32)[0][1:]
+spelt = ["--growth", "saturating", "--seeding", "lowest_similarity", "--renormalize"]
+for preset, flags in (("kvm", spelt + ["--renormalize-values"]),
+                      ("kvm-delta", spelt + ["--value-update", "delta"]),
+                      ("default", [])):
+    a = attend("ovq", Q, K, V, "--preset", preset, "--capacity", 10, "--chunk", 5,
+               what="--preset " + preset)
+    b = attend("ovq", Q, K, V, *flags, "--capacity", 10, "--chunk", 5, what="flags of " + preset)
+    if a is not None and b is not None:
+        ok(np.array_equal(a, b), "--preset %s differs from its flags" % preset)
+# The flags after a preset override it.
+a = attend("ovq", Q, K, V, "--preset", "kvm", "--growth", "dirichlet", "--capacity", 10,
+           "--chunk", 5, what="--preset kvm --growth dirichlet")
+b = attend("ovq", Q, K, V, "--seeding", "lowest_similarity", "--renormalize",
+           "--renormalize-values", "--capacity", 10, "--chunk", 5, what="kvm with dirichlet")
+if a is not None and b is not None:
+    ok(np.array_equal(a, b), "--preset kvm --growth dirichlet differs from its flags")
+
+# --head-betas: equal betas are --beta, bit for bit; distinct ones read each head with its own
+# (query heads 0, 1 share key/value head 0; 2, 3 share head 1).
+for mixer, opts in (("self", ["--chunk", 4]), ("ovq", ["--capacity", 12, "--chunk", 5]),
+                    ("ovq", ["--preset", "kvm-delta", "--capacity", 12, "--chunk", 5])):
+    same = attend(mixer, Q, K, V, *opts, "--head-betas", "0.7,0.7,0.7,0.7", what="equal head betas")
+    one = attend(mixer, Q, K, V, *opts, "--beta", 0.7, what="--beta 0.7")
+    if same is not None and one is not None:
+        ok(np.array_equal(same, one),
+           "%s %s: equal --head-betas differ from --beta" % (mixer, opts))
+    betas = [0.5, 0.5, 2.0, 2.0] if "kvm-delta" in opts else [0.5, 1.0, 2.0, 3.0]
+    mixed = attend(mixer, Q, K, V, *opts, "--head-betas", ",".join(map(str, betas)),
+                   what="--head-betas %s" % betas)
+    for h, beta in enumerate(betas):
+        alone = attend(mixer, Q[h], K[h // 2], V[h // 2], *opts, "--beta", beta,
+                       what="head %d alone" % h)
+        if mixed is not None and alone is not None:
+            close(mixed[h], alone, np.float32,
+                  "%s %s: head %d with beta %g" % (mixer, opts, h, beta))
 
 
 # ---- 3. --state-out --------------------------------------------------------------------------
@@ -495,6 +538,17 @@ bad = [
     ("negative --split length", ["self", *base, "--split", "12,-2"], 2),
     ("negative --threads", ["self", *base, "--threads", "-1"], 2),
     ("bad --device", ["self", *base, "--device", "tpu"], 2),
+    ("bad --preset", ["ovq", *base, "--preset", "kvm2"], 2),
+    ("--preset with self", ["self", *base, "--preset", "kvm"], 2),
+    ("bad --value-update", ["ovq", *base, "--value-update", "median"], 2),
+    ("--head-betas with linear", ["linear", *base, "--head-betas", "1,1"], 2),
+    ("bad --head-betas list", ["self", *base, "--head-betas", "1,,2"], 2),
+    ("--head-betas of another length", ["self", *base, "--head-betas", "1,2,3"], 1),
+    ("--head-betas -1", ["self", *base, "--head-betas", "1,1,-1,1"], 1),
+    ("--head-betas unshared under delta",
+     ["ovq", *base, "--preset", "kvm-delta", "--head-betas", "1,2,3,4"], 1),
+    ("--renormalize-values with delta",
+     ["ovq", *base, "--value-update", "delta", "--renormalize-values"], 1),
 ]
 for what, args, want in bad:
     out = fresh("bad_out") + ".npy"

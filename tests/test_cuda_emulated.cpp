@@ -279,12 +279,19 @@ TEMPLATE_TEST_CASE("cuda OVQ-attention (emulated) == the CPU mixer: outputs, and
     UpdateRate rate;
     bool renormalize;
     Index capacity, chunk;
+    bool renormalize_values = false, count_bias = true;
   };
   for (const Case& c :
        {Case{Growth::dirichlet(), Seeding::spread(), UpdateRate::adaptive(), false, 48, 16},
         Case{Growth::dirichlet(5.0), Seeding::random(9), UpdateRate::adaptive(), true, 40, 8},
         Case{Growth::linear(0.5), Seeding::spread(), UpdateRate::constant(0.3), false, 30, 12},
-        Case{Growth::linear(1.0), Seeding::spread(), UpdateRate::adaptive(), true, 200, 16}}) {
+        Case{Growth::linear(1.0), Seeding::spread(), UpdateRate::adaptive(), true, 200, 16},
+        Case{Growth::dirichlet(), Seeding::spread(), UpdateRate::adaptive(), true, 48, 16, true,
+             false},
+        Case{Growth::saturating(), Seeding::random(3), UpdateRate::constant(0.3), false, 40, 8,
+             true, true},
+        Case{Growth::linear(0.5), Seeding::spread(), UpdateRate::adaptive(), false, 30, 12,
+             false, false}}) {
     OvqOptions opt;
     opt.beta = 2.0;
     opt.capacity = c.capacity;
@@ -293,6 +300,8 @@ TEMPLATE_TEST_CASE("cuda OVQ-attention (emulated) == the CPU mixer: outputs, and
     opt.seeding = c.seeding;
     opt.rate = c.rate;
     opt.renormalize = c.renormalize;
+    opt.renormalize_values = c.renormalize_values;
+    opt.count_bias = c.count_bias;
     const Index dk = 20, dv = 12;
     const Stream3<S> in = make_stream<S>(2, 2, 130, dk, dv, 11, true);
     // The CPU's portable scores are one FMA chain per score, as the GPU's: the same
@@ -549,6 +558,11 @@ TEST_CASE("cuda mixers (emulated): bad shapes throw the CPU's ArgumentError befo
   assign_first.seeding = Seeding::lowest_similarity();
   CHECK_THROWS_MATCHES(Ovq(assign_first), ArgumentError,
                        MessageHas({"seeding = lowest_similarity", "expected spread or random"}));
+  CHECK_THROWS_MATCHES(Ovq(OvqOptions::kvm_delta()), ArgumentError,
+                       MessageHas({"seeding = lowest_similarity"}));
+  OvqOptions delta;
+  delta.value_update = ValueUpdate::delta;
+  CHECK_THROWS_MATCHES(Ovq(delta), ArgumentError, MessageHas({"value_update = delta", "on CUDA"}));
   CHECK_THROWS_MATCHES(mixer.make_state(2, 300, 8), ArgumentError, MessageHas({"dk = 300"}));
 
   // A NaN in V: the call runs, changes nothing, and the next synchronize reports it.

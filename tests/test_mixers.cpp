@@ -16,6 +16,7 @@
 #include "support/catch.hpp"
 #include "support/emulated_avx512.hpp"
 #include "support/fixtures.hpp"
+#include "support/matchers.hpp"
 
 // Everything below lives in this file's own namespace, so the suite can be built as one
 // unity source without the files' helpers colliding.
@@ -28,6 +29,7 @@ using ovq::test::random_matrix;
 using ovq::test::random_unit_rows;
 using ovq::test::relative_error;
 using ovq::test::tolerance;
+using ovq::test::MessageHas;
 using DMat = RowMatrix<double>;
 
 // ---------------------------------------------------------------------------------------------
@@ -540,7 +542,41 @@ std::vector<OvqOptions> all_ovq_options(double beta) {
           opt.renormalize = renorm;
           all.push_back(opt);
         }
+  // The value and read options of the second reading (docs/math.md, "Two readings of the
+  // paper"), over both growth families that reading is compared with.
+  for (const Growth& g : {Growth::dirichlet(), Growth::saturating()})
+    for (const Seeding& s : seedings)
+      for (const UpdateRate& r : rates)
+        for (ValueUpdate rule : {ValueUpdate::mean, ValueUpdate::delta})
+          for (bool renorm_values : {false, true})
+            for (bool bias : {true, false}) {
+              if (renorm_values && rule == ValueUpdate::delta) continue;  // refused
+              if (rule == ValueUpdate::mean && !renorm_values && bias) continue;  // above
+              OvqOptions opt;
+              opt.beta = beta;
+              opt.growth = g;
+              opt.seeding = s;
+              opt.rate = r;
+              opt.renormalize = true;
+              opt.renormalize_values = renorm_values;
+              opt.count_bias = bias;
+              opt.value_update = rule;
+              all.push_back(opt);
+            }
   return all;
+}
+
+// The presets and the options of the second reading that change the stream's state.
+std::vector<std::pair<std::string, OvqOptions>> ovq_readings() {
+  OvqOptions no_bias = OvqOptions::kvm_delta();
+  no_bias.count_bias = false;
+  OvqOptions kvm_no_bias = OvqOptions::kvm();
+  kvm_no_bias.count_bias = false;
+  return {{"default", OvqOptions::preset("default")},
+          {"kvm", OvqOptions::preset("kvm")},
+          {"kvm-delta", OvqOptions::preset("kvm-delta")},
+          {"kvm, no count bias", kvm_no_bias},
+          {"kvm-delta, no count bias", no_bias}};
 }
 
 template <class S>
@@ -559,7 +595,10 @@ void ovq_against_reference(const std::vector<OvqShape>& shapes, double qk_scale,
                                                                      : "lowest_similarity")
                      << ", rate "
                      << (opt.rate.kind == UpdateRate::Kind::adaptive ? "adaptive" : "constant")
-                     << ", renormalize " << opt.renormalize);
+                     << ", renormalize " << opt.renormalize << ", renormalize_values "
+                     << opt.renormalize_values << ", count_bias " << opt.count_bias
+                     << ", value_update "
+                     << (opt.value_update == ValueUpdate::delta ? "delta" : "mean"));
       ref::OvqRefState ref_state;
       const DMat want = ref::ovq_attention(x.qd, x.kd, x.vd, opt, &ref_state);
       OvqAttention<S> mixer(opt);
@@ -688,26 +727,117 @@ TEST_CASE("OVQ with linear growth, rate 1, N >= T and unit keys is causal self-a
     const DMat via_self = self.forward(self_state, x.q, x.k, x.v);
     CHECK(relative_error(via_self, want) <= tolerance<double>());
     for (Index chunk : {Index(1), Index(4), Index(16), Index(64)}) {
-      for (const Seeding& seeding : {Seeding::spread(), Seeding::random(3)}) {
-        CAPTURE(t, chunk, static_cast<int>(seeding.kind));
-        OvqOptions opt;
-        opt.capacity = t + 5;
-        opt.chunk = chunk;
-        opt.beta = beta;
-        opt.growth = Growth::linear(1.0);
-        opt.seeding = seeding;
-        OvqAttention<double> mixer(opt);
-        auto st = mixer.make_state(dk, dv);
-        const DMat o = mixer.forward(st, x.q, x.k, x.v);
-        CHECK(relative_error(o, want) <= tolerance<double>());
-        CHECK(relative_error(o, via_self) <= tolerance<double>());
-        // Every absorbed key is its own centroid with count 1.
-        const Index absorbed = (t / chunk) * chunk;
-        REQUIRE(st.dictionary().size() == absorbed);
-        for (Index r = 0; r < absorbed; ++r) CHECK(st.dictionary().count(r) == 1);
+      for (const Seeding& seeding :
+           {Seeding::spread(), Seeding::random(3), Seeding::lowest_similarity()}) {
+        for (ValueUpdate rule : {ValueUpdate::mean, ValueUpdate::delta}) {
+          for (bool bias : {true, false}) {
+            // Counts of 1 make the bias 0 either way, and a row opened in its chunk takes its
+            // seed's value under the delta rule too.
+            CAPTURE(t, chunk, static_cast<int>(seeding.kind), static_cast<int>(rule), bias);
+            OvqOptions opt;
+            opt.capacity = t + 5;
+            opt.chunk = chunk;
+            opt.beta = beta;
+            opt.growth = Growth::linear(1.0);
+            opt.seeding = seeding;
+            opt.value_update = rule;
+            opt.count_bias = bias;
+            OvqAttention<double> mixer(opt);
+            auto st = mixer.make_state(dk, dv);
+            const DMat o = mixer.forward(st, x.q, x.k, x.v);
+            CHECK(relative_error(o, want) <= tolerance<double>());
+            CHECK(relative_error(o, via_self) <= tolerance<double>());
+            // Every absorbed key is its own centroid with count 1.
+            const Index absorbed = (t / chunk) * chunk;
+            REQUIRE(st.dictionary().size() == absorbed);
+            for (Index r = 0; r < absorbed; ++r) CHECK(st.dictionary().count(r) == 1);
+          }
+        }
       }
     }
   }
+}
+
+TEST_CASE("OVQ delta rule: with one row the prediction is the row, so it is the running mean",
+          "[ovq][reference]") {
+  // softmax over one row returns its value: v_i - yhat_i = v_i - D_v[0], and
+  // D_v += sum (v_i - D_v) / c' is the running mean. Both rates, float and double.
+  const Index dk = 6, dv = 5;
+  for (const UpdateRate& rate : {UpdateRate::adaptive(), UpdateRate::constant(0.3)}) {
+    CAPTURE(static_cast<int>(rate.kind));
+    OvqOptions mean;
+    mean.capacity = 1;
+    mean.chunk = 8;
+    mean.beta = 1.5;
+    mean.rate = rate;
+    OvqOptions delta = mean;
+    delta.value_update = ValueUpdate::delta;
+    const Qkv<double> x = gaussian_qkv<double>(77, dk, dv, 1750);
+    const DMat want = ref::ovq_attention(x.qd, x.kd, x.vd, mean);
+    CHECK(relative_error(ref::ovq_attention(x.qd, x.kd, x.vd, delta), want) <= 1e-13);
+    OvqAttention<double> d(delta);
+    auto st = d.make_state(dk, dv);
+    CHECK(relative_error(d.forward(st, x.q, x.k, x.v), want) <= tolerance<double>());
+    const Qkv<float> xf = gaussian_qkv<float>(77, dk, dv, 1750);
+    OvqAttention<float> f(delta);
+    auto sf = f.make_state(dk, dv);
+    const DMat want_f = ref::ovq_attention(xf.qd, xf.kd, xf.vd, mean);
+    CHECK(relative_error(f.forward(sf, xf.q, xf.k, xf.v), want_f) <= tolerance<float>());
+  }
+}
+
+TEST_CASE("OVQ delta rule: a row moves by its members' residuals against the old read",
+          "[ovq][reference]") {
+  // Two rows (keys e0, e1, values a, b, counts 1 each after the first chunk), then a chunk of two
+  // keys both nearest e0: yhat_i = softmax(beta k_i . e_r + log 1) over {a, b}, and
+  // D_v[0] = a + ((v_0 - yhat_0) + (v_1 - yhat_1)) / 3, D_v[1] = b.
+  const Index dk = 2, dv = 2;
+  OvqOptions opt;
+  opt.capacity = 2;
+  opt.chunk = 2;
+  opt.beta = 2.0;
+  opt.growth = Growth::linear(1.0);
+  opt.seeding = Seeding::lowest_similarity();
+  opt.value_update = ValueUpdate::delta;
+  DMat k(4, dk), v(4, dv);
+  k << 1, 0, 0, 1, 0.9, 0.1, 0.8, -0.2;
+  v << 1, 2, -3, 4, 0.5, 0.25, 2, -1;
+  OvqAttention<double> mixer(opt);
+  auto st = mixer.make_state(dk, dv);
+  mixer.absorb(st, k, v);
+  REQUIRE(st.dictionary().size() == 2);
+  Eigen::RowVector2d expect0 = v.row(0);
+  Eigen::RowVector2d residual = Eigen::RowVector2d::Zero();
+  for (Index i : {Index(2), Index(3)}) {
+    const double w0 = std::exp(2.0 * k(i, 0)), w1 = std::exp(2.0 * k(i, 1));
+    residual += v.row(i) - (w0 * v.row(0) + w1 * v.row(1)) / (w0 + w1);
+  }
+  expect0 += residual / 3.0;
+  const auto values = as_eigen(st.dictionary().values());
+  CHECK((values.row(0) - expect0).norm() <= 1e-15);
+  CHECK((values.row(1) - v.row(1)).norm() == 0.0);
+  CHECK(st.dictionary().count(0) == 3);
+}
+
+TEST_CASE("OVQ presets: names, the options they set, and refused combinations", "[ovq][errors]") {
+  const OvqOptions kvm = OvqOptions::preset("kvm");
+  CHECK(kvm.growth.kind == Growth::Kind::saturating);
+  CHECK(kvm.seeding.kind == Seeding::Kind::lowest_similarity);
+  CHECK((kvm.renormalize && kvm.renormalize_values && kvm.count_bias));
+  CHECK(kvm.value_update == ValueUpdate::mean);
+  const OvqOptions delta = OvqOptions::preset("kvm-delta");
+  CHECK((delta.renormalize && !delta.renormalize_values));
+  CHECK(delta.value_update == ValueUpdate::delta);
+  CHECK(OvqOptions::preset("default").growth.kind == Growth::Kind::dirichlet);
+  CHECK(std::size(OvqOptions::kPresetNames) == 3);
+  for (const char* name : OvqOptions::kPresetNames)
+    CHECK_NOTHROW(OvqOptions::preset(name).validate());
+  CHECK_THROWS_MATCHES(OvqOptions::preset("KVM"), ArgumentError,
+                       MessageHas({"name = 'KVM'", "expected default, kvm or kvm-delta"}));
+  OvqOptions bad = OvqOptions::kvm_delta();
+  bad.renormalize_values = true;
+  CHECK_THROWS_MATCHES(OvqAttention<float>(bad), ArgumentError,
+                       MessageHas({"renormalize_values = true with value_update = delta"}));
 }
 
 TEST_CASE("OVQ: a full dictionary only assigns and updates", "[ovq]") {
@@ -801,13 +931,14 @@ void streaming_all_mixers() {
       }
       {
         INFO("OVQ-attention");
-        for (const Seeding& seeding : {Seeding::spread(), Seeding::random(99)}) {
-          CAPTURE(static_cast<int>(seeding.kind));
-          OvqOptions opt;
+        std::vector<std::pair<std::string, OvqOptions>> configs = ovq_readings();
+        configs.emplace_back("random seeding", OvqOptions{});
+        configs.back().second.seeding = Seeding::random(99);
+        for (auto [name, opt] : configs) {
+          INFO(name);
           opt.capacity = 12;
           opt.chunk = l;
           opt.beta = 2.0;
-          opt.seeding = seeding;
           OvqAttention<S> mixer(opt);
           check_streaming(mixer, mixer.make_state(dk, dv), x, l, tol);
           ref::OvqRefState ref_state;
@@ -1295,26 +1426,27 @@ TEST_CASE("self-attention: any split of a stream gives the same bits", "[self][s
 TEST_CASE("OVQ-attention: any split of a stream gives the same bits", "[ovq][stream][exact]") {
   for (const Index l : {Index(1), Index(7), Index(40), Index(130)}) {
     const Index t = 4 * l + 9, dk = 12, dv = 9;
-    CAPTURE(l);
-    OvqOptions opt;
-    opt.capacity = 3 * l + 2;
-    opt.chunk = l;
-    opt.beta = 1.5;
-    {
-      const Qkv<float> x = unit_qkv<float>(t, dk, dv, 4500 + static_cast<std::uint64_t>(l));
-      OvqAttention<float> mixer(opt);
-      check_splits_exact(mixer, mixer.make_state(dk, dv), x, l);
-      OvqAttention<float, arch::scalar> portable(opt);
-      check_splits_exact(portable, portable.make_state(dk, dv), x, l);
+    for (auto [name, opt] : ovq_readings()) {
+      CAPTURE(l, name);
+      opt.capacity = 3 * l + 2;
+      opt.chunk = l;
+      opt.beta = 1.5;
+      {
+        const Qkv<float> x = unit_qkv<float>(t, dk, dv, 4500 + static_cast<std::uint64_t>(l));
+        OvqAttention<float> mixer(opt);
+        check_splits_exact(mixer, mixer.make_state(dk, dv), x, l);
+        OvqAttention<float, arch::scalar> portable(opt);
+        check_splits_exact(portable, portable.make_state(dk, dv), x, l);
 #if defined(OVQ_ARCH_AVX2)
-      OvqAttention<float, test::emulated_avx512> emulated(opt);
-      check_splits_exact(emulated, emulated.make_state(dk, dv), x, l);
+        OvqAttention<float, test::emulated_avx512> emulated(opt);
+        check_splits_exact(emulated, emulated.make_state(dk, dv), x, l);
 #endif
-    }
-    {
-      const Qkv<double> x = unit_qkv<double>(t, dk, dv, 4600 + static_cast<std::uint64_t>(l));
-      OvqAttention<double> mixer(opt);
-      check_splits_exact(mixer, mixer.make_state(dk, dv), x, l);
+      }
+      {
+        const Qkv<double> x = unit_qkv<double>(t, dk, dv, 4600 + static_cast<std::uint64_t>(l));
+        OvqAttention<double> mixer(opt);
+        check_splits_exact(mixer, mixer.make_state(dk, dv), x, l);
+      }
     }
   }
 }

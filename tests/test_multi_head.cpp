@@ -11,6 +11,7 @@
 
 #include "support/catch.hpp"
 #include "support/fixtures.hpp"
+#include "support/matchers.hpp"
 
 // Everything below lives in this file's own namespace, so the suite can be built as one
 // unity source without the files' helpers colliding.
@@ -23,6 +24,7 @@ using ovq::test::random_matrix;
 using ovq::test::random_unit_rows;
 using ovq::test::relative_error;
 using ovq::test::tolerance;
+using ovq::test::MessageHas;
 
 struct Heads {
   Index batch, hq, hkv;
@@ -407,6 +409,100 @@ TEST_CASE("MultiHead: OVQ absorbs T rounded down to L per kv head", "[multihead]
   CHECK(layer.bytes() == static_cast<std::size_t>(batch * hkv) * layer.state(0, 0).bytes());
   layer.reset();
   for (const auto& s : layer.states()) CHECK(s == mixer.make_state(dk, dv));
+}
+
+// One beta per query head: each head reads as the single-head mixer with its beta, and the
+// states are those of the mixer (the write does not read with beta), or, for OVQ's delta rule,
+// of the mixer with the group's shared beta.
+template <class Mixer>
+void check_head_betas(Mixer mixer, const std::vector<typename Mixer::State>& kv_states,
+                      const std::vector<double>& betas, std::uint64_t seed) {
+  using S = typename Mixer::scalar_type;
+  const Index batch = 2, hq = 4, hkv = 2, t = 11, group = hq / hkv;
+  const Index dk = kv_states[0].key_dim(), dv = kv_states[0].value_dim();
+  MultiHead<Mixer> layer(mixer, batch, hq, kv_states);
+  layer.set_head_betas(betas);
+  CHECK(layer.head_betas() == betas);
+  const RowMatrix<S> q = random_unit_rows<S>(batch * hq * t, dk, seed);
+  const RowMatrix<S> k = random_unit_rows<S>(batch * hkv * t, dk, seed + 1);
+  const RowMatrix<S> v = random_matrix<S>(batch * hkv * t, dv, seed + 2);
+  const RowMatrix<S> o = layer.forward(q, k, v);
+  for (Index b = 0; b < batch; ++b)
+    for (Index g = 0; g < hkv; ++g)
+      for (Index j = 0; j < group; ++j) {
+        const Index head = g * group + j;
+        CAPTURE(b, g, head);
+        auto options = mixer.options();
+        options.beta = betas[static_cast<std::size_t>(head)];
+        const Mixer alone(options);
+        auto st = kv_states[static_cast<std::size_t>(g)];
+        const RowMatrix<S> want =
+            alone.forward(st, head_rows(q, b * hq + head, t), head_rows(k, b * hkv + g, t),
+                          head_rows(v, b * hkv + g, t));
+        CHECK(relative_error(head_rows(o, b * hq + head, t), want) <= tolerance<S>());
+        if (j == 0) check_state_close(layer.state(b, g), st, tolerance<S>());
+      }
+  // Without head betas again: the mixer's beta.
+  layer.set_head_betas({});
+  CHECK(layer.head_betas().empty());
+}
+
+TEST_CASE("MultiHead: one beta per query head", "[multihead][self][vq][ovq]") {
+  const Index dk = 6, dv = 5;
+  const std::vector<double> betas = {0.5, 1.0, 2.0, 3.5};
+  {
+    INFO("self-attention");
+    SelfAttentionOptions opt;
+    opt.chunk = 4;
+    SelfAttention<double> mixer(opt);
+    check_head_betas(mixer, replicate(2, mixer.make_state(dk, dv)), betas, 900);
+  }
+  {
+    INFO("VQ-attention");
+    VqAttentionOptions opt;
+    opt.chunk = 4;
+    VqAttention<float> mixer(opt);
+    check_head_betas(mixer,
+                     {mixer.make_state(random_unit_rows<float>(5, dk, 910), dv),
+                      mixer.make_state(random_unit_rows<float>(5, dk, 911), dv)},
+                     betas, 920);
+  }
+  for (const char* preset : OvqOptions::kPresetNames) {
+    INFO("OVQ-attention, preset " << preset);
+    OvqOptions opt = OvqOptions::preset(preset);
+    opt.capacity = 6;
+    opt.chunk = 4;
+    OvqAttention<double> mixer(opt);
+    // The delta rule's write reads with beta: one per key/value head.
+    const std::vector<double> shared =
+        mixer.write_uses_beta() ? std::vector<double>{0.5, 0.5, 2.0, 2.0} : betas;
+    check_head_betas(mixer, replicate(2, mixer.make_state(dk, dv)), shared, 930);
+  }
+}
+
+TEST_CASE("MultiHead::set_head_betas: bad betas are refused and change nothing",
+          "[multihead][errors]") {
+  const Index dk = 4, dv = 3;
+  OvqAttention<float> mixer(OvqOptions::kvm_delta());
+  MultiHead<OvqAttention<float>> layer(mixer, 1, 4, 2, dk, dv);
+  layer.set_head_betas({1.0, 1.0, 2.0, 2.0});
+  CHECK_THROWS_MATCHES(layer.set_head_betas({1.0, 2.0}), ArgumentError,
+                       MessageHas({"betas has 2 entries, expected 4"}));
+  CHECK_THROWS_MATCHES(layer.set_head_betas({1.0, 1.0, -2.0, -2.0}), ArgumentError,
+                       MessageHas({"betas[2] = -2", "expected a finite value > 0"}));
+  CHECK_THROWS_MATCHES(
+      layer.set_head_betas({1.0, 1.0, std::numeric_limits<double>::infinity(), 1.0}), ArgumentError,
+      MessageHas({"betas[2] = inf"}));
+  CHECK_THROWS_MATCHES(layer.set_head_betas({1.0, 1.5, 2.0, 2.0}), ArgumentError,
+                       MessageHas({"betas[1] = 1.5, expected 1 (betas[0]"}));
+  CHECK(layer.head_betas() == std::vector<double>{1.0, 1.0, 2.0, 2.0});  // unchanged
+  CHECK_THROWS_MATCHES(layer.set_head_betas({1e300, 1e300, 1.0, 1.0}), ArgumentError,
+                       MessageHas({"betas[0]"}));  // not a float
+  LinearAttention<float> linear;
+  MultiHead<LinearAttention<float>> lin(linear, 1, 2, 2, dk, dv);
+  CHECK_THROWS_MATCHES(lin.set_head_betas({1.0, 2.0}), ArgumentError,
+                       MessageHas({"expected no head betas"}));
+  CHECK_NOTHROW(lin.set_head_betas({}));
 }
 
 }  // namespace

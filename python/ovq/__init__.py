@@ -280,10 +280,20 @@ class OVQAttention(_Mixer):
     """OVQ-attention: attention over an online dictionary learnt by sparse k-means.
 
     OVQAttention(capacity=1024, chunk=64, beta=1.0, growth=Growth.dirichlet(),
-    seeding=Seeding.spread(), rate=UpdateRate.adaptive(), renormalize=False).
+    seeding=Seeding.spread(), rate=UpdateRate.adaptive(), renormalize=False,
+    renormalize_values=False, count_bias=True, value_update='mean' | 'delta').
+    OVQAttention.preset(name, **options) starts from a preset (OVQAttention.presets: 'default',
+    'kvm', the public implementation's reading, and 'kvm-delta', the same with the delta-rule
+    value update; docs/math.md, "Two readings of the paper") and overrides the given options.
     """
 
     _Impl = _ovq._OVQAttention
+    presets = _ovq._ovq_presets
+
+    @classmethod
+    def preset(cls, name, **options):
+        """The mixer of preset `name` with `options` overriding its own."""
+        return cls(**{**_ovq._ovq_preset(name), **options})
 
     def make_state(self, dk, dv, dtype="float32"):
         return self._impl._make_state(dk, dv, _dtype_name(dtype))
@@ -294,13 +304,16 @@ class MultiHead:
 
     MultiHead(mixer, batch, query_heads, kv_heads, dk, dv, dtype='float32'), or for
     VQ-attention MultiHead(mixer, batch, query_heads, codebooks=(Hkv, S, dk), dv=dv).
+    betas= (Hq numbers) gives each query head a logit scale of its own in place of the
+    mixer's beta (self, VQ and OVQ attention); under OVQ's delta rule the query heads of one
+    key/value head share theirs.
     forward(q (B, Hq, T, dk), k (B, Hkv, T, dk), v (B, Hkv, T, dv)) -> (B, Hq, T, dv), like
     contiguous tensors in PyTorch's layout; query head h reads key/value head
     h // (Hq // Hkv). Each (batch, key/value head) has its own state; they run in parallel.
     """
 
     def __init__(self, mixer, batch, query_heads, kv_heads=None, dk=None, dv=None, *,
-                 dtype="float32", codebooks=None):
+                 dtype="float32", codebooks=None, betas=None):
         if not isinstance(mixer, _Mixer):
             raise TypeError(f"mixer is a {type(mixer).__name__}, expected an ovq mixer")
         self.mixer = mixer
@@ -320,8 +333,13 @@ class MultiHead:
                 raise TypeError("MultiHead needs kv_heads, dk and dv")
             self._impl = mixer._impl._make_layer(batch, query_heads, kv_heads, dk, dv,
                                                  _dtype_name(dtype))
+        if betas is not None:
+            self._impl.set_head_betas([float(b) for b in betas])
 
         self._cache_shape()
+
+    betas = property(lambda self: tuple(self._impl.head_betas) or None,
+                     doc="The per-query-head betas, or None (the mixer's beta for every head).")
 
     def _cache_shape(self):
         # Plain attributes: read on every call, cheaper than the extension's properties.
@@ -388,20 +406,20 @@ class MultiHead:
         s = self._impl.state(0, 0)
         n = s.n if isinstance(self.mixer, VQAttention) else None
         return (self._impl.batch, self._impl.query_heads, self._impl.kv_heads, self._impl.dk,
-                self._impl.dv, self._impl.dtype, n)
+                self._impl.dv, self._impl.dtype, n, self.betas)
 
 
 def _rebuild_layer(mixer, data, shape):
-    batch, hq, hkv, dk, dv, dtype, n = shape
+    batch, hq, hkv, dk, dv, dtype, n, betas = shape
     if isinstance(mixer, VQAttention):
         codebooks = np.zeros((hkv, n, dk), dtype=np.float32 if dtype != "float64" else np.float64)
         if dtype in ("bfloat16", "float16"):
             import torch
 
             codebooks = torch.zeros((hkv, n, dk), dtype=getattr(torch, dtype))
-        layer = MultiHead(mixer, batch, hq, codebooks=codebooks, dv=dv)
+        layer = MultiHead(mixer, batch, hq, codebooks=codebooks, dv=dv, betas=betas)
     else:
-        layer = MultiHead(mixer, batch, hq, hkv, dk, dv, dtype=dtype)
+        layer = MultiHead(mixer, batch, hq, hkv, dk, dv, dtype=dtype, betas=betas)
     layer.load_bytes(data)
     return layer
 

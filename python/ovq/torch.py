@@ -128,19 +128,21 @@ class Attention(torch.nn.Module):
     """An ovq mixer over (B, H, T, d) tensors, with its states (a MultiHead layer).
 
     Attention(mixer, batch, query_heads, kv_heads, dk, dv, dtype=torch.float32,
-    normalize_qk=False, threads=0, codebooks=None): normalize_qk L2-normalises q and k along
-    their last dimension first; codebooks (Hkv, S, dk) for VQ-attention. Every call continues
-    from the states; reset() forgets them.
+    normalize_qk=False, threads=0, codebooks=None, betas=None): normalize_qk L2-normalises q
+    and k along their last dimension first; codebooks (Hkv, S, dk) for VQ-attention; betas (Hq
+    numbers) one logit scale per query head (ovq.MultiHead). Every call continues from the
+    states; reset() forgets them.
     """
 
     def __init__(self, mixer, batch, query_heads, kv_heads=None, dk=None, dv=None, *,
-                 dtype=torch.float32, normalize_qk=False, threads=0, codebooks=None):
+                 dtype=torch.float32, normalize_qk=False, threads=0, codebooks=None,
+                 betas=None):
         super().__init__()
         self.mixer = mixer
         self.normalize_qk = normalize_qk
         self.threads = threads
         self.layer = ovq.MultiHead(mixer, batch, query_heads, kv_heads, dk, dv, dtype=dtype,
-                                   codebooks=codebooks)
+                                   codebooks=codebooks, betas=betas)
         handle = _register(self.layer)
         self.register_buffer("handle", torch.tensor([handle], dtype=torch.int64), persistent=False)
 
@@ -203,10 +205,10 @@ def _named(mixer_cls, doc):
 
         def __init__(self, batch, query_heads, kv_heads=None, dk=None, dv=None, *,
                      dtype=torch.float32, normalize_qk=False, threads=0, codebooks=None,
-                     **options):
+                     betas=None, **options):
             super().__init__(mixer_cls(**options), batch, query_heads, kv_heads, dk, dv,
                              dtype=dtype, normalize_qk=normalize_qk, threads=threads,
-                             codebooks=codebooks)
+                             codebooks=codebooks, betas=betas)
 
     Named.__name__ = Named.__qualname__ = mixer_cls.__name__
     return Named

@@ -353,6 +353,14 @@ FeatureMap feature_map_of(const std::string& s) {
       ("LinearAttention: feature_map = '" + s + "', expected 'identity', 'elu1' or 'relu'").c_str());
 }
 
+const char* value_update_name(ValueUpdate u) { return u == ValueUpdate::mean ? "mean" : "delta"; }
+ValueUpdate value_update_of(const std::string& s) {
+  if (s == "mean") return ValueUpdate::mean;
+  if (s == "delta") return ValueUpdate::delta;
+  throw nb::value_error(
+      ("OVQAttention: value_update = '" + s + "', expected 'mean' or 'delta'").c_str());
+}
+
 class Kwargs {
  public:
   Kwargs(const char* where, nb::dict d) : where_(where), d_(std::move(d)) {}
@@ -385,6 +393,12 @@ class Kwargs {
     std::string name = feature_map_name(out);
     get(key, name);
     out = feature_map_of(name);
+  }
+
+  void get(const char* key, ValueUpdate& out) {
+    std::string name = value_update_name(out);
+    get(key, name);
+    out = value_update_of(name);
   }
 
   void finish() const {
@@ -451,6 +465,9 @@ struct OvqFamily {
     v("seeding", o.seeding);
     v("rate", o.rate);
     v("renormalize", o.renormalize);
+    v("renormalize_values", o.renormalize_values);
+    v("count_bias", o.count_bias);
+    v("value_update", o.value_update);
   }
 };
 
@@ -468,6 +485,8 @@ template <class T>
 nb::object to_python(const T& field) {
   if constexpr (std::is_same_v<T, FeatureMap>) {
     return nb::str(feature_map_name(field));
+  } else if constexpr (std::is_same_v<T, ValueUpdate>) {
+    return nb::str(value_update_name(field));
   } else {
     return nb::cast(field);
   }
@@ -1026,6 +1045,14 @@ nb::class_<PyMixer<F>> bind_mixer(nb::module_& m, const char* layer_name) {
          std::lock_guard<std::mutex> lock(*l.mutex);
          std::visit([](auto& x) { x.reset(); }, l.layer);
        })
+      .def_prop_ro("head_betas", [](const L& l) {
+         std::lock_guard<std::mutex> lock(*l.mutex);
+         return std::visit([](const auto& x) { return x.head_betas(); }, l.layer);
+       })
+      .def("set_head_betas", [](L& l, const std::vector<double>& betas) {
+         std::lock_guard<std::mutex> lock(*l.mutex);
+         std::visit([&](auto& x) { x.set_head_betas(betas); }, l.layer);
+       }, "betas"_a)
       .def("state", [](const L& l, Index b, Index h) {
          std::lock_guard<std::mutex> lock(*l.mutex);
          return std::visit([&](const auto& x) {
@@ -1369,6 +1396,12 @@ NB_MODULE(_ovq, m) {
   auto ovq_cls = bind_mixer<OvqFamily>(m, "_OVQAttentionLayer");
   bind_dims_state<OvqFamily>(ovq_cls);
 
+  m.def("_ovq_preset", [](const std::string& name) -> nb::dict {
+    return options_dict<OvqFamily>(ovq::OvqOptions::preset(name));
+  }, "name"_a);
+  nb::list presets;
+  for (const char* name : ovq::OvqOptions::kPresetNames) presets.append(nb::str(name));
+  m.attr("_ovq_presets") = nb::tuple(presets);
   m.def("_merge", &merge, "o_a"_a, "lse_a"_a, "o_b"_a, "lse_b"_a);
   m.def("_fit_codebook", &fit_codebook_py, "keys"_a, "size"_a, "max_iterations"_a, "tolerance"_a,
         "seed"_a);

@@ -236,6 +236,8 @@ class BasicOvqAttention {
     detail::require(options_.seeding.kind != Seeding::Kind::lowest_similarity, where,
                     "seeding = lowest_similarity, expected spread or random (the CUDA mixers' "
                     "seedings; lowest_similarity runs on the CPU mixers)");
+    detail::require(options_.value_update == ValueUpdate::mean, where,
+                    "value_update = delta, expected mean on CUDA (it runs on the CPU mixers)");
     ovq::detail::check_scalar_range<Scalar>(where, "beta", options_.beta);
     ovq::detail::require(options_.chunk <= kMaxDeviceChunk, where, "chunk = ", options_.chunk,
                          ", expected at most ", kMaxDeviceChunk, " on CUDA");
@@ -354,6 +356,7 @@ class BasicOvqAttention {
     p.memory_keys = {st.keys_.data(), st.capacity() * st.key_dim(), st.key_dim()};
     p.memory_values = {st.values_.data(), st.capacity() * st.value_dim(), st.value_dim()};
     p.bias = {st.log_counts_.data(), st.capacity(), 1};
+    p.count_bias = options_.count_bias;
     p.local_keys = {st.pending_keys_.data(), st.chunk() * st.key_dim(), st.key_dim()};
     p.local_values = {st.pending_values_.data(), st.chunk() * st.value_dim(), st.value_dim()};
     kernels::launch_read<Backend>(p, plan, partials, stream);
@@ -402,6 +405,7 @@ class BasicOvqAttention {
     d.adaptive = options_.rate.kind == UpdateRate::Kind::adaptive;
     d.eta = options_.rate.eta;
     d.renormalize = options_.renormalize;
+    d.renormalize_values = options_.renormalize_values;
     d.nearest = nearest;
     d.assigned = assigned;
     d.picked = WorkspaceLayout::at<unsigned char>(ws, w.picked);

@@ -3,14 +3,15 @@
 //
 //   offset  size  field
 //   0       8     magic "OVQSTATE"
-//   8       4     format version (2; version 1 is still read, see below)
+//   8       4     format version (3; versions 1 and 2 are still read, see below)
 //   12      4     byte-order tag 0x01020304, as written by the saving machine
 //   16      4     mixer kind (1 self, 2 linear, 3 vq, 4 ovq)
 //   20      4     container (0 one state, 1 multi-head layer)
 //   24      4     element type: its size in bytes in the low byte (4 float32, 8 float64), the
 //                 16-bit ones told apart in the next (258 float16, 514 bfloat16)
 //   28      8     payload size P
-//   36      P     payload: the mixer options, then (multi-head) batch, Hq, Hkv, then each state
+//   36      P     payload: the mixer options, then (multi-head) batch, Hq, Hkv, the number of
+//                 head betas (0 or Hq, i64) and the betas (f64 each), then each state
 //   36 + P  4     CRC-32 of bytes [0, 36 + P)
 //
 // Everything is little-endian. Every option a state depends on is stored and must equal the
@@ -30,12 +31,15 @@
 //   ovq     capacity, chunk L, dk, dv, n, t, pending p; D_k (n x dk, compute), D_v (n x dv,
 //           compute), counts (n), pending keys (p x dk), pending values (p x dv)
 //
+// Version 2 (before OVQ's renormalize values, count bias and value update options, and the
+// multi-head layer's head betas) is loaded as a file with those at their defaults (false, true,
+// mean; no head betas); a loading mixer or layer set otherwise is refused, like any other option.
 // Version 1 (before linear and VQ states kept the rows of their current chunk) is still loaded.
 // Its self and ovq payloads are those of version 2. Its linear payload is dk, dv, tokens, S, z
 // and its VQ payload codes, dk, dv, codebook, mean values, counts: a state that had folded every
 // token in, loaded with no pending rows and the loading mixer's chunk length (which the options
 // block checks), so its chunks are counted from the point it was saved at. Files are always
-// written as version 2.
+// written as version 3.
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -56,7 +60,7 @@
 
 namespace ovq::io {
 
-inline constexpr std::uint32_t kStateFormatVersion = 2;
+inline constexpr std::uint32_t kStateFormatVersion = 3;
 // The oldest version load_state and decode_state still read.
 inline constexpr std::uint32_t kOldestStateFormatVersion = 1;
 
@@ -214,9 +218,10 @@ class Reader {
   throw FormatError("state file: " + what);
 }
 
-// Each options struct as a list of named fields: f(name, field) for every one of them. Writing
-// and checking-on-load both walk this list, so they can never disagree. O is the struct, const
-// or not (the Python bindings read keyword arguments into the same fields).
+// Each options struct as a list of named fields: f(name, field, since) for every one of them,
+// `since` the format version that added the field. Writing and checking-on-load both walk this
+// list, so they can never disagree. O is the struct, const or not (the Python bindings read
+// keyword arguments into the same fields).
 template <class O, class Options>
 using if_options_t = std::enable_if_t<std::is_same_v<std::remove_const_t<O>, Options>>;
 
@@ -254,6 +259,9 @@ auto visit_options(O& o, F&& f) -> if_options_t<O, OvqOptions> {
   f("update rate", o.rate.kind);
   f("eta", o.rate.eta);
   f("renormalize", o.renormalize);
+  f("renormalize values", o.renormalize_values, 3u);
+  f("count bias", o.count_bias, 3u);
+  f("value update", o.value_update, 3u);
 }
 
 // Options are stored as fixed-width fields: enums and bools as u32, integers as i64/u64,
@@ -273,18 +281,35 @@ auto stored(T v) {
 
 template <class Options>
 void put_options(Writer& w, const Options& options) {
-  visit_options(options, [&](const char*, auto v) { w.put(stored(v)); });
+  visit_options(options, [&](const char*, auto v, std::uint32_t = 1) { w.put(stored(v)); });
 }
 
+// A file of format `version` stores the fields added up to it; the others are taken at their
+// defaults (a default-constructed Options).
 template <class Options>
-void check_options(Reader& r, const Options& expected) {
-  visit_options(expected, [&](const char* name, auto v) {
+void check_options(Reader& r, const Options& expected, std::uint32_t version) {
+  std::vector<std::vector<unsigned char>> defaults;
+  const Options default_options{};
+  visit_options(default_options, [&](const char*, auto v, std::uint32_t = 1) {
+    const auto s = stored(v);
+    const auto* p = reinterpret_cast<const unsigned char*>(&s);
+    defaults.emplace_back(p, p + sizeof s);
+  });
+  std::size_t field = 0;
+  visit_options(expected, [&](const char* name, auto v, std::uint32_t since = 1) {
     using S = decltype(stored(v));
-    const S got = r.get<S>(name);
+    S got;
+    if (since <= version) {
+      got = r.get<S>(name);
+    } else {
+      std::memcpy(&got, defaults[field].data(), sizeof got);
+    }
+    ++field;
     // Bitwise for reals: the loaded state must continue exactly as the saved one would.
     if (std::memcmp(&got, &static_cast<const S&>(stored(v)), sizeof(S)) != 0) {
-      invalid(detail::concat("option '", name, "' = ", got, ", expected ", stored(v),
-                             " (the loading mixer's)"));
+      invalid(detail::concat("option '", name, "' = ", got,
+                             since <= version ? "" : " (the default of older files)",
+                             ", expected ", stored(v), " (the loading mixer's)"));
     }
   });
 }
@@ -614,7 +639,7 @@ typename Mixer::State decode_state(const Mixer& mixer, const unsigned char* data
   using S = typename Mixer::scalar_type;
   std::uint32_t version = 0;
   Reader r = open_frame(data, size, MixerKind<Mixer>::value, 0, element_code<S>(), &version);
-  check_options(r, mixer.options());
+  check_options(r, mixer.options(), version);
   typename Mixer::State state = get_state(r, mixer, version);
   expect_end(r);
   return state;
@@ -643,6 +668,9 @@ std::vector<unsigned char> encode_state(const MultiHead<Mixer>& layer) {
   w.put<std::int64_t>(layer.batch());
   w.put<std::int64_t>(layer.query_heads());
   w.put<std::int64_t>(layer.kv_heads());
+  const std::vector<double> betas = layer.head_betas();
+  w.put<std::int64_t>(static_cast<std::int64_t>(betas.size()));
+  for (double b : betas) w.put(b);
   for (const auto& s : layer.states()) put_state(w, layer.mixer(), s);
   return finish(w);
 }
@@ -654,7 +682,7 @@ void decode_state(MultiHead<Mixer>& layer, const unsigned char* data, std::size_
   using S = typename Mixer::scalar_type;
   std::uint32_t version = 0;
   Reader r = open_frame(data, size, MixerKind<Mixer>::value, 1, element_code<S>(), &version);
-  check_options(r, layer.mixer().options());
+  check_options(r, layer.mixer().options(), version);
   const auto batch = r.get<std::int64_t>("batch");
   const auto hq = r.get<std::int64_t>("query heads");
   const auto hkv = r.get<std::int64_t>("kv heads");
@@ -662,6 +690,17 @@ void decode_state(MultiHead<Mixer>& layer, const unsigned char* data, std::size_
     invalid(detail::concat("(batch, query heads, kv heads) = (", batch, ", ", hq, ", ", hkv,
                            "), expected (", layer.batch(), ", ", layer.query_heads(), ", ",
                            layer.kv_heads(), ")"));
+  const std::vector<double> want_betas = layer.head_betas();
+  const auto n_betas = version >= 3 ? r.get<std::int64_t>("head betas") : std::int64_t(0);
+  if (n_betas != static_cast<std::int64_t>(want_betas.size()))
+    invalid(detail::concat("head betas: ", n_betas, ", expected ", want_betas.size(),
+                           " (the loading layer's)"));
+  for (std::size_t h = 0; h < want_betas.size(); ++h) {
+    const auto b = r.get<double>("head beta");
+    if (std::memcmp(&b, &want_betas[h], sizeof b) != 0)
+      invalid(detail::concat("head beta ", h, " = ", b, ", expected ", want_betas[h],
+                             " (the loading layer's)"));
+  }
   std::vector<typename Mixer::State> states;
   for (std::size_t i = 0; i < layer.states().size(); ++i) {
     states.push_back(get_state(r, layer.mixer(), version));

@@ -25,12 +25,22 @@ struct Executor {
   using Compute = compute_t<Element>;
 
   // The fused read (kernels/read_tiles.hpp) of `heads` stacked query heads, with each query's
-  // log-sum-exp where lse is not null.
+  // log-sum-exp where lse is not null. head_betas (one per head, or null: beta for all): each
+  // run of consecutive heads with the same beta is read as one stack of its own.
   static void read(const ConstRowsView<Element>* q, Index heads,
                    const MemoryRows<Element>& memory, const LocalRows<Element>& local,
                    const ReadMask& mask, Compute beta, const RowsView<Element>* o,
-                   Compute* const* lse = nullptr) {
-    kernels::read<Element, Arch>(q, heads, memory, local, mask, beta, o, lse);
+                   Compute* const* lse = nullptr, const Compute* head_betas = nullptr) {
+    if (head_betas == nullptr) {
+      kernels::read<Element, Arch>(q, heads, memory, local, mask, beta, o, lse);
+      return;
+    }
+    for (Index first = 0, last = 0; first < heads; first = last) {
+      while (last < heads && head_betas[last] == head_betas[first]) ++last;
+      kernels::read<Element, Arch>(q + first, last - first, memory, local, mask,
+                                   head_betas[first], o + first,
+                                   lse == nullptr ? nullptr : lse + first);
+    }
   }
 
   // Nearest centroid of each row of x (kernels/assign.hpp).

@@ -94,6 +94,50 @@ void scatter_mean_update(RowsView<compute_t<Element>> dict, const std::int64_t* 
   }
 }
 
+// The delta rule (ValueUpdate::delta) on the value means: a row r < predicted_rows (it existed
+// before the chunk) moves by its members' residuals against their predictions yhat (L x d),
+//   adaptive: D[r] += sum_{a_i = r} (x_i - yhat_i) / (c_r + cnt_r)
+//   constant: D[r] += eta * mean_{a_i = r} (x_i - yhat_i);
+// a row opened in the chunk takes scatter_mean_update's running mean of its members.
+template <class Element>
+void scatter_delta_update(RowsView<compute_t<Element>> dict, const std::int64_t* counts_before,
+                          const AssignmentGroups& groups, ConstRowsView<Element> x,
+                          ConstRowsView<Element> yhat, Index predicted_rows,
+                          const UpdateRate& rate) {
+  using Scalar = compute_t<Element>;
+  using Wide = WideAccumulator<Scalar>;
+  AssignmentGroups opened;  // the groups of rows opened in the chunk
+  const Index d = dict.cols;
+  std::vector<Wide> sum(static_cast<std::size_t>(d));
+  for (Index g = 0; g < groups.size(); ++g) {
+    const Index r = groups.rows[static_cast<std::size_t>(g)];
+    const Index first = groups.begin[static_cast<std::size_t>(g)];
+    const Index last = groups.begin[static_cast<std::size_t>(g) + 1];
+    if (r >= predicted_rows) {
+      opened.rows.push_back(r);
+      opened.begin.push_back(static_cast<Index>(opened.order.size()));
+      for (Index m = first; m < last; ++m)
+        opened.order.push_back(groups.order[static_cast<std::size_t>(m)]);
+      continue;
+    }
+    std::fill(sum.begin(), sum.end(), Wide(0));
+    for (Index m = first; m < last; ++m) {
+      const Index i = groups.order[static_cast<std::size_t>(m)];
+      for (Index c = 0; c < d; ++c)
+        sum[static_cast<std::size_t>(c)] += static_cast<Wide>(widen(x.row(i)[c])) -
+                                            static_cast<Wide>(widen(yhat.row(i)[c]));
+    }
+    const Wide factor = rate.kind == UpdateRate::Kind::adaptive
+                            ? Wide(1) / static_cast<Wide>(counts_before[r] + (last - first))
+                            : static_cast<Wide>(rate.eta) / static_cast<Wide>(last - first);
+    Scalar* target = dict.row(r);
+    for (Index c = 0; c < d; ++c)
+      target[c] = static_cast<Scalar>(target[c] + sum[static_cast<std::size_t>(c)] * factor);
+  }
+  opened.begin.push_back(static_cast<Index>(opened.order.size()));
+  scatter_mean_update<Element>(dict, counts_before, opened, x, rate);
+}
+
 // c_r += members for every touched centroid (counts and log counts): the count update of both
 // dictionary writes, after their row updates (which read the counts from before).
 template <class Scalar>

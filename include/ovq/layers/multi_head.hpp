@@ -6,8 +6,11 @@
 //   head h of batch b holds rows [(b H + h) T, (b H + h + 1) T).
 // Query head h reads key/value head h / (Hq / Hkv); each (batch, key/value head) owns a state.
 // Every head's input is checked before any state changes, so a failed call changes nothing.
+// set_head_betas gives each query head a logit scale of its own in place of the mixer's beta
+// (self, VQ and OVQ attention: a learnt per-head scale).
 // With OpenMP (the consumer compiles with -fopenmp), states run in parallel.
 #include <exception>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -66,6 +69,39 @@ class MultiHead {
 
   void reset() {
     for (State& s : states_) s.reset();
+  }
+
+  // One beta per query head (Hq entries, each finite and > 0) in place of the mixer's; empty:
+  // the mixer's beta for every head. When the mixer's write reads with beta (OVQ's delta rule),
+  // the query heads of one key/value head must share theirs.
+  void set_head_betas(const std::vector<double>& betas) {
+    const char* where = "MultiHead::set_head_betas";
+    std::vector<Compute> scales;
+    if (!betas.empty()) {
+      detail::require(Mixer::kHasHeadBetas, where,
+                      "the mixer has one beta for every head (linear attention), expected no "
+                      "head betas");
+      detail::require(static_cast<Index>(betas.size()) == query_heads_, where, "betas has ",
+                      betas.size(), " entries, expected ", query_heads_, " (one per query head)");
+      const Index group = query_heads_ / kv_heads_;
+      for (Index h = 0; h < query_heads_; ++h) {
+        const double b = betas[static_cast<std::size_t>(h)];
+        const std::string name = detail::concat("betas[", h, "]");
+        detail::check_positive_finite(where, name.c_str(), b);
+        detail::check_scalar_range<Scalar>(where, name.c_str(), b);
+        const double first = betas[static_cast<std::size_t>(h - h % group)];
+        detail::require(!mixer_.write_uses_beta() || b == first, where, name, " = ", b,
+                        ", expected ", first, " (betas[", h - h % group,
+                        "]: the query heads of a key/value head share the beta its write "
+                        "reads with)");
+        scales.push_back(static_cast<Compute>(b));
+      }
+    }
+    head_betas_ = std::move(scales);
+  }
+  // The per-head betas as set (empty: none).
+  std::vector<double> head_betas() const {
+    return std::vector<double>(head_betas_.begin(), head_betas_.end());
   }
 
   // Threads used over states when built with OpenMP (0: OpenMP's default).
@@ -138,6 +174,7 @@ class MultiHead {
     std::vector<ConstRowsView<Scalar>> q;
     std::vector<RowsView<Scalar>> o;
     std::vector<Compute*> lse;  // empty, or one per query head
+    const Compute* betas = nullptr;  // the group's head betas, or null
     ConstRowsView<Scalar> k, v;
   };
 
@@ -177,6 +214,8 @@ class MultiHead {
         grp.o.push_back(o.middle_rows(head * tokens, tokens));
         if (lse != nullptr) grp.lse.push_back(lse + head * tokens);
       }
+      if (!head_betas_.empty())
+        grp.betas = head_betas_.data() + g * group_size;
     }
     // Every state's input is checked before any state changes (the mixers' checks only read).
     auto check_state = [&](Index s) {
@@ -196,7 +235,7 @@ class MultiHead {
         Group& grp = groups[static_cast<std::size_t>(s)];
         mixer_.forward_unchecked(states_[static_cast<std::size_t>(s)], grp.q.data(), group_size,
                                  grp.k, grp.v, grp.o.data(),
-                                 grp.lse.empty() ? nullptr : grp.lse.data());
+                                 grp.lse.empty() ? nullptr : grp.lse.data(), grp.betas);
       } catch (...) {
 #if defined(OVQ_HAS_OPENMP)
 #pragma omp critical(ovq_multi_head_failure)
@@ -251,6 +290,7 @@ class MultiHead {
   Index kv_heads_ = 0;
   int threads_ = 0;
   std::vector<State> states_;
+  std::vector<Compute> head_betas_;  // Hq entries, or empty
 };
 
 }  // namespace ovq

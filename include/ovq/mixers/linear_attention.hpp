@@ -51,6 +51,8 @@ class LinearAttention
   using Options = LinearAttentionOptions;
   using Compute = compute_t<Scalar>;
   static constexpr bool kHasLogSumExp = false;  // no softmax
+  static constexpr bool kHasHeadBetas = false;  // one beta (a scale of the unnormalised read)
+  bool write_uses_beta() const { return false; }
 
   explicit LinearAttention(const Options& options = {}) : options_(options) {
     options_.validate();
@@ -121,7 +123,8 @@ class LinearAttention
   void forward_unchecked(State& state, const ConstRowsView<Scalar>* q, Index heads,
                          ConstRowsView<Scalar> k, ConstRowsView<Scalar> v,
                          const RowsView<Scalar>* o,
-                         Compute* const* /*lse: none, see kHasLogSumExp*/ = nullptr) const {
+                         Compute* const* /*lse: none, see kHasLogSumExp*/ = nullptr,
+                         const Compute* /*head_betas: none, see kHasHeadBetas*/ = nullptr) const {
     using Exec = kernels::Executor<Scalar, Arch>;
     const kernels::LinearChunkParams<Compute> params{
         static_cast<Compute>(options_.beta), static_cast<Compute>(options_.decay),

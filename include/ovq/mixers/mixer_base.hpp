@@ -12,8 +12,9 @@
 //   void check_state(const char* where, const State&) const;
 //   void forward_unchecked(State&, const ConstRowsView<S>* q, Index heads,
 //                          ConstRowsView<S> k, ConstRowsView<S> v, const RowsView<S>* o,
-//                          compute_t<S>* const* lse) const;
+//                          compute_t<S>* const* lse, const compute_t<S>* head_betas) const;
 //   static constexpr bool kHasLogSumExp;   // whether lse can be asked for
+//   static constexpr bool kHasHeadBetas;   // whether head_betas (one beta per head) is read
 // Every argument is checked here before the state is touched; forward_unchecked then cannot fail
 // on input (only on memory exhaustion).
 #include <vector>

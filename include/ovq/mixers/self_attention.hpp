@@ -41,6 +41,8 @@ class SelfAttention : public MixerBase<SelfAttention<Scalar, Arch>, Scalar, KvCa
   using State = KvCache<Scalar>;
   using Options = SelfAttentionOptions;
   static constexpr bool kHasLogSumExp = true;
+  static constexpr bool kHasHeadBetas = true;  // forward_unchecked takes one beta per head
+  bool write_uses_beta() const { return false; }
 
   explicit SelfAttention(const Options& options = {}) : options_(options) {
     options_.validate();
@@ -63,7 +65,8 @@ class SelfAttention : public MixerBase<SelfAttention<Scalar, Arch>, Scalar, KvCa
   void forward_unchecked(State& state, const ConstRowsView<Scalar>* q, Index heads,
                          ConstRowsView<Scalar> k, ConstRowsView<Scalar> v,
                          const RowsView<Scalar>* o,
-                         compute_t<Scalar>* const* lse = nullptr) const {
+                         compute_t<Scalar>* const* lse = nullptr,
+                         const compute_t<Scalar>* head_betas = nullptr) const {
     const compute_t<Scalar> beta = static_cast<compute_t<Scalar>>(options_.beta);
     // Non-causal queries see every key of the call, so the call is read as one piece.
     const Index piece = options_.causal ? options_.chunk : std::max<Index>(k.rows, 1);
@@ -78,7 +81,7 @@ class SelfAttention : public MixerBase<SelfAttention<Scalar, Arch>, Scalar, KvCa
       kernels::Executor<Scalar, Arch>::read(
           detail::slice_heads(q, heads, c0, len).data(), heads, memory, local, mask, beta,
           detail::slice_heads(o, heads, c0, len).data(),
-          lse == nullptr ? nullptr : detail::offset_rows(lse, heads, c0).data());
+          lse == nullptr ? nullptr : detail::offset_rows(lse, heads, c0).data(), head_betas);
       state.append(local.keys, local.values);
     }
   }

@@ -38,6 +38,8 @@ class VqAttention : public MixerBase<VqAttention<Scalar, Arch>, Scalar, VqState<
   using arch_type = Arch;
   using State = VqState<Scalar>;
   static constexpr bool kHasLogSumExp = true;
+  static constexpr bool kHasHeadBetas = true;  // forward_unchecked takes one beta per head
+  bool write_uses_beta() const { return false; }
   using Options = VqAttentionOptions;
 
   explicit VqAttention(const Options& options = {}) : options_(options) {
@@ -62,7 +64,8 @@ class VqAttention : public MixerBase<VqAttention<Scalar, Arch>, Scalar, VqState<
   void forward_unchecked(State& state, const ConstRowsView<Scalar>* q, Index heads,
                          ConstRowsView<Scalar> k, ConstRowsView<Scalar> v,
                          const RowsView<Scalar>* o,
-                         compute_t<Scalar>* const* lse = nullptr) const {
+                         compute_t<Scalar>* const* lse = nullptr,
+                         const compute_t<Scalar>* head_betas = nullptr) const {
     using Exec = kernels::Executor<Scalar, Arch>;
     const compute_t<Scalar> beta = static_cast<compute_t<Scalar>>(options_.beta);
     const Index chunk = options_.chunk;
@@ -79,7 +82,8 @@ class VqAttention : public MixerBase<VqAttention<Scalar, Arch>, Scalar, VqState<
 
       detail::read_dictionary_and_chunk<Scalar, Arch>(state.dictionary(), state.pending_keys(),
                                                       state.pending_values(), offset, q, heads,
-                                                      pos, len, beta, o, lse);
+                                                      pos, len, beta, o, lse, true,
+                                                      head_betas);
 
       if (state.pending() == chunk) {
         Exec::vq_write(state.dictionary(), state.pending_codes(), state.pending_values(), groups);

@@ -158,11 +158,35 @@ inline void append_row(Matrix& m, const Eigen::RowVectorXd& row) {
   m.row(m.rows() - 1) = row;
 }
 
+// The read of the dictionary's rows with members by query q: bias log c, or 0 without the
+// count bias.
+inline Vector ovq_dictionary_read(const OvqRefState& st, const OvqOptions& opt,
+                                  const Eigen::RowVectorXd& q, Index dv,
+                                  std::vector<double>* logits_out = nullptr,
+                                  std::vector<Vector>* values_out = nullptr) {
+  std::vector<double> logits;
+  std::vector<Vector> values;
+  for (Index r = 0; r < st.size(); ++r) {
+    if (st.count[r] == 0) continue;
+    const double bias = opt.count_bias ? std::log(static_cast<double>(st.count[r])) : 0.0;
+    logits.push_back(opt.beta * q.dot(st.dk.row(r)) + bias);
+    values.push_back(st.dv.row(r).transpose());
+  }
+  if (logits_out != nullptr) *logits_out = logits;
+  if (values_out != nullptr) *values_out = values;
+  return softmax_read(logits, values, dv);
+}
+
 inline void ovq_write(OvqRefState& st, const OvqOptions& opt) {
   const Matrix kc = st.pending_k;
   const Matrix vc = st.pending_v;
   const Index l = kc.rows();
   const Index n = st.size();
+  // The delta rule's predictions, by the dictionary before the chunk.
+  const bool delta = opt.value_update == ValueUpdate::delta;
+  Matrix yhat = Matrix::Zero(l, vc.cols());
+  for (Index i = 0; i < l && delta; ++i)
+    yhat.row(i) = ovq_dictionary_read(st, opt, kc.row(i), vc.cols()).transpose();
   const Index target = std::min<Index>(opt.capacity, ovq_growth_target(opt, st.t + l));
   Index m = std::clamp<Index>(target - n, 0, l);
   if (n == 0) m = std::max<Index>(m, 1);
@@ -226,24 +250,31 @@ inline void ovq_write(OvqRefState& st, const OvqOptions& opt) {
     Index cnt = 0;
     Eigen::RowVectorXd sk = Eigen::RowVectorXd::Zero(kc.cols());
     Eigen::RowVectorXd sv = Eigen::RowVectorXd::Zero(vc.cols());
+    Eigen::RowVectorXd residual = Eigen::RowVectorXd::Zero(vc.cols());
     for (Index i = 0; i < l; ++i) {
       if (a[i] != r) continue;
       ++cnt;
       sk += kc.row(i);
       sv += vc.row(i);
+      residual += vc.row(i) - yhat.row(i);
     }
     if (cnt == 0) continue;
     const double c = static_cast<double>(st.count[r]);
     const double c_new = c + static_cast<double>(cnt);
+    const bool predicted = delta && r < n;  // a row opened in this chunk takes the mean
     if (opt.rate.kind == UpdateRate::Kind::adaptive) {
       st.dk.row(r) = (c * st.dk.row(r) + sk) / c_new;
-      st.dv.row(r) = (c * st.dv.row(r) + sv) / c_new;
+      st.dv.row(r) = predicted ? Eigen::RowVectorXd(st.dv.row(r) + residual / c_new)
+                               : Eigen::RowVectorXd((c * st.dv.row(r) + sv) / c_new);
     } else {
       const double eta = opt.rate.eta;
       st.dk.row(r) = (1.0 - eta) * st.dk.row(r) + eta * sk / static_cast<double>(cnt);
-      st.dv.row(r) = (1.0 - eta) * st.dv.row(r) + eta * sv / static_cast<double>(cnt);
+      const double n_new = static_cast<double>(cnt);
+      st.dv.row(r) = predicted ? Eigen::RowVectorXd(st.dv.row(r) + eta * residual / n_new)
+                               : Eigen::RowVectorXd((1.0 - eta) * st.dv.row(r) + eta * sv / n_new);
     }
     if (opt.renormalize && st.dk.row(r).norm() > 0.0) st.dk.row(r).normalize();
+    if (opt.renormalize_values && st.dv.row(r).norm() > 0.0) st.dv.row(r).normalize();
     st.count[r] += cnt;
   }
   st.t += l;
@@ -267,12 +298,7 @@ inline Matrix ovq_attention(const Matrix& q, const Matrix& k, const Matrix& v,
     append_row(st.pending_v, v.row(i));
     std::vector<double> logits;
     std::vector<Vector> values;
-    for (Index r = 0; r < st.size(); ++r) {
-      if (st.count[r] == 0) continue;
-      logits.push_back(opt.beta * q.row(i).dot(st.dk.row(r)) +
-                       std::log(static_cast<double>(st.count[r])));
-      values.push_back(st.dv.row(r).transpose());
-    }
+    ovq_dictionary_read(st, opt, q.row(i), v.cols(), &logits, &values);
     for (Index j = 0; j < st.pending_k.rows(); ++j) {
       logits.push_back(opt.beta * q.row(i).dot(st.pending_k.row(j)));
       values.push_back(st.pending_v.row(j).transpose());

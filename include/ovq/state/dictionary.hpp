@@ -68,6 +68,15 @@ class Dictionary {
   std::int64_t count(Index r) const { return counts_[static_cast<std::size_t>(r)]; }
   // log(count) per active row, -inf where the count is 0: the read bias.
   const Compute* log_counts() const { return log_counts_.data(); }
+  // The read bias: log_counts(), or without the count bias 0 where the count is > 0 (-inf where
+  // it is 0, so that a row with no members still contributes nothing), written into storage.
+  const Compute* read_bias(bool count_bias, std::vector<Compute>& storage) const {
+    if (count_bias) return log_counts();
+    storage.resize(static_cast<std::size_t>(size_));
+    for (Index r = 0; r < size_; ++r)
+      storage[static_cast<std::size_t>(r)] = count(r) > 0 ? Compute(0) : kNegInf;
+    return storage.data();
+  }
 
   std::int64_t total_count() const {
     std::int64_t total = 0;

@@ -96,4 +96,12 @@ struct UpdateRate {
   }
 };
 
+// What an assigned value row moves towards (MATH.md section 4, docs/math.md "Two readings").
+//   mean:  the running mean of its members' values (the same rule as the key rows);
+//   delta: its members' residuals against the dictionary's own prediction, D_v[r] += rate *
+//          sum_{a_i = r} (v_i - yhat_i), yhat_i the read of the dictionary before the chunk with
+//          the query k_i (no local rows). A row opened in the chunk predicts nothing yet: it takes
+//          the mean of its members (its seed alone under lowest-similarity seeding).
+enum class ValueUpdate { mean, delta };
+
 }  // namespace ovq

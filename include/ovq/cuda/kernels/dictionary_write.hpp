@@ -14,8 +14,8 @@
 //   group   the chunk rows sorted by centroid, each centroid's members in increasing row order
 //           (a stable rank: O(L^2 / threads))
 //   update  each touched centroid's keys (OVQ) and values: running mean (or constant rate) of
-//           its members, summed in double in member order; then the counts; then (option)
-//           unit-norm keys
+//           its members, summed in double in member order; then the counts; then (options)
+//           unit-norm keys and values
 // Every step reads only what an earlier phase wrote, and nothing is accumulated with atomics:
 // the same bits on every run and in the emulation. A score of a new centroid is the
 // assignment's FMA chain (AssignProgram), so a row's centroid does not depend on whether it was
@@ -52,6 +52,7 @@ struct DictionaryWriteParams {
   bool adaptive = true;  // rate: running mean, else constant eta
   double eta = 0.0;
   bool renormalize = false;
+  bool renormalize_values = false;
   // Per state, L entries each: (nearest, assigned) from AssignProgram (VQ: the codes in
   // `assigned`), then scratch.
   Scalar* nearest = nullptr;
@@ -226,6 +227,8 @@ struct DictionaryWriteProgram {
         while (q_end < L && assigned[order[q_end]] == r) ++q_end;
         set_count(dict, r, dict.counts[r] + (q_end - q));
         if (p.ovq && p.renormalize) ovq::kernels::renormalize_row(dict.keys.row(r), p.dk);
+        if (p.ovq && p.renormalize_values)
+          ovq::kernels::renormalize_row(dict.values.row(r), p.dv);
       }
     });
   }

@@ -103,6 +103,9 @@ struct ReadParams {
   ReadExtent fixed_extent;  // source fixed
   HeadRows<Scalar> memory_keys, memory_values;
   HeadRows<Scalar> bias;  // row_stride 1; data == nullptr: none
+  // false: a log-count bias is read as 0 where the count is > 0 (log c >= 0) and stays -inf
+  // where it is 0, OVQ's read without the count bias.
+  bool count_bias = true;
   Index ring = 0;         // cache source: ring capacity (rows), 0 if none
   HeadRows<Scalar> local_keys, local_values;
   // Split mode: block z of (tile, state) writes rows x (kD + 2) scalars at
@@ -350,8 +353,10 @@ struct ReadProgram {
           for (int c = 0; c < kD; ++c) dot = std::fma(q[c], k[c], dot);
           Scalar x = ovq::detail::mul_rn(dot, p.beta);
           const Index slot = x0 + key;
-          if (p.bias.data != nullptr && slot >= axis.memory_begin() && slot < axis.local_begin())
-            x = x + p.bias.row(s, slot - axis.pad)[0];
+          if (p.bias.data != nullptr && slot >= axis.memory_begin() && slot < axis.local_begin()) {
+            const Scalar b = p.bias.row(s, slot - axis.pad)[0];
+            x = x + (p.count_bias || !(b >= Scalar(0)) ? b : Scalar(0));
+          }
           x = saturate(x);
           if (slot < lo || slot > hi) x = -Scalar(INFINITY);
           me.s[i][j] = x;
