@@ -181,6 +181,21 @@ TEST_CASE("GPU mixers on small shapes == their emulation", "[gpu][sanitize]") {
                                                         cpu.forward(in.q, in.k, in.v), 2e-5);
   }
   {
+    // The public implementation's reading: lowest-similarity seeding, unit-norm keys,
+    // saturating growth, unit-norm values or the delta rule; and the read without the count
+    // bias.
+    for (OvqOptions opt : {OvqOptions::kvm(), OvqOptions::kvm_delta()}) {
+      opt.capacity = 16;
+      opt.chunk = 8;
+      opt.count_bias = false;
+      MultiHead<OvqAttention<S, arch::scalar>> cpu(OvqAttention<S, arch::scalar>(opt), 1, 6, 2,
+                                                    24, 40);
+      auto make = [](const auto& m, auto stream) { return m.make_state(2, 24, 40, stream); };
+      check_against_emulation<cuda::BasicOvqAttention, S>(opt, make, in, cut,
+                                                          cpu.forward(in.q, in.k, in.v), 2e-5);
+    }
+  }
+  {
     VqAttentionOptions opt;
     opt.chunk = 8;
     const RowMatrix<S> codebook = random_matrix<S>(20, 24, 19);

@@ -233,11 +233,6 @@ class BasicOvqAttention {
   explicit BasicOvqAttention(const Options& options = {}) : options_(options) {
     const char* where = "cuda::OvqAttention";
     options_.validate(where);
-    detail::require(options_.seeding.kind != Seeding::Kind::lowest_similarity, where,
-                    "seeding = lowest_similarity, expected spread or random (the CUDA mixers' "
-                    "seedings; lowest_similarity runs on the CPU mixers)");
-    detail::require(options_.value_update == ValueUpdate::mean, where,
-                    "value_update = delta, expected mean on CUDA (it runs on the CPU mixers)");
     ovq::detail::check_scalar_range<Scalar>(where, "beta", options_.beta);
     ovq::detail::require(options_.chunk <= kMaxDeviceChunk, where, "chunk = ", options_.chunk,
                          ", expected at most ", kMaxDeviceChunk, " on CUDA");
@@ -291,7 +286,9 @@ class BasicOvqAttention {
 
   struct WriteWorkspace {
     detail::WorkspaceLayout layout;
-    std::size_t nearest, assigned, picked, order, draws, opened, partials;
+    std::size_t nearest, assigned, picked, order, draws, opened, partials, yhat,
+        prediction_partials;
+    kernels::ReadPlan prediction;  // the delta rule's read (none without it)
   };
   WriteWorkspace layout(const State& st, const kernels::ReadPlan& plan) const {
     const std::size_t read_scalars = plan.workspace_scalars;
@@ -304,6 +301,11 @@ class BasicOvqAttention {
     w.draws = w.layout.template add<Index>(rows);
     w.opened = w.layout.template add<std::int64_t>(2);
     w.partials = w.layout.template add<Scalar>(read_scalars);
+    const bool delta = options_.value_update == ValueUpdate::delta;
+    if (delta) w.prediction = step_plan(st, 1, st.chunk(), st.capacity(), 0);
+    w.yhat = w.layout.template add<Scalar>(delta ? rows * static_cast<std::size_t>(st.value_dim())
+                                                 : 0);
+    w.prediction_partials = w.layout.template add<Scalar>(w.prediction.workspace_scalars);
     return w;
   }
 
@@ -366,6 +368,27 @@ class BasicOvqAttention {
     using detail::WorkspaceLayout;
     const int heads = static_cast<int>(st.heads());
     Scalar* nearest = WorkspaceLayout::at<Scalar>(ws, w.nearest);
+    Scalar* yhat = WorkspaceLayout::at<Scalar>(ws, w.yhat);
+    const bool delta = options_.value_update == ValueUpdate::delta;
+    if (delta) {
+      // The prediction of every chunk key by the dictionary before the chunk: a read with the
+      // pending keys as queries and no local rows, only once the chunk is complete.
+      const Index L = st.chunk(), dk = st.key_dim(), dv = st.value_dim();
+      const ConstHeadsView<Scalar> keys{st.pending_keys_.data(), st.heads(), L, dk, L * dk, dk};
+      const HeadsView<Scalar> out{yhat, st.heads(), L, dv, L * dv, dv};
+      kernels::ReadParams<Scalar> p = detail::read_params(
+          keys, out, st.heads(), st.key_dim(), st.value_dim(), options_.beta,
+          st.device_counters());
+      p.source = kernels::ReadSource::dictionary_rows;
+      p.causal = false;
+      p.memory_keys = {st.keys_.data(), st.capacity() * st.key_dim(), st.key_dim()};
+      p.memory_values = {st.values_.data(), st.capacity() * st.value_dim(), st.value_dim()};
+      p.bias = {st.log_counts_.data(), st.capacity(), 1};
+      p.count_bias = options_.count_bias;
+      p.only_if_pending = st.chunk();
+      kernels::launch_read<Backend>(p, w.prediction,
+                                    WorkspaceLayout::at<Scalar>(ws, w.prediction_partials), stream);
+    }
     Index* assigned = WorkspaceLayout::at<Index>(ws, w.assigned);
     std::int64_t* opened = WorkspaceLayout::at<std::int64_t>(ws, w.opened);
 
@@ -401,11 +424,14 @@ class BasicOvqAttention {
     d.schedule = st.device_schedule();
     d.schedule_entries = static_cast<Index>(st.schedule().size() / 2);
     d.spread = options_.seeding.kind == Seeding::Kind::spread;
+    d.lowest_similarity = options_.seeding.kind == Seeding::Kind::lowest_similarity;
     d.seed = options_.seeding.seed;
     d.adaptive = options_.rate.kind == UpdateRate::Kind::adaptive;
     d.eta = options_.rate.eta;
     d.renormalize = options_.renormalize;
     d.renormalize_values = options_.renormalize_values;
+    d.delta = delta;
+    d.yhat = yhat;
     d.nearest = nearest;
     d.assigned = assigned;
     d.picked = WorkspaceLayout::at<unsigned char>(ws, w.picked);

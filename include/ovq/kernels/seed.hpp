@@ -31,14 +31,16 @@ inline Index centroids_to_open(const Growth& growth, std::int64_t t, Index chunk
   return std::min(m, capacity - size);
 }
 
-// The `count` rows i < n, i != skip, with the smallest s[i], in increasing (s[i], i): the
-// rows lowest-similarity seeding opens, in the order it opens them.
+// The `count` rows i < n, i != skip, with the smallest s[i], in increasing (s[i], i), NaNs last:
+// the rows lowest-similarity seeding opens, in the order it opens them.
 template <class Scalar>
 std::vector<Index> lowest_similarity_rows(const Scalar* s, Index n, Index count, Index skip) {
   std::vector<Index> rows;
   for (Index i = 0; i < n; ++i)
     if (i != skip) rows.push_back(i);
-  std::stable_sort(rows.begin(), rows.end(), [&](Index a, Index b) { return s[a] < s[b]; });
+  std::stable_sort(rows.begin(), rows.end(), [&](Index a, Index b) {
+    return s[a] < s[b] || (s[b] != s[b] && s[a] == s[a]);
+  });
   rows.resize(static_cast<std::size_t>(std::clamp<Index>(count, 0, static_cast<Index>(rows.size()))));
   return rows;
 }

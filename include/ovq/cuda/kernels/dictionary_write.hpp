@@ -10,12 +10,17 @@
 //           centroid so far (ties: smallest row; a NaN similarity is never smaller, as on the
 //           CPU), opened as centroid n + step, its scores against every chunk row folded into
 //           (nearest, assigned); random: the rows draw_seed_rows draws from (seed, chunk index),
-//           the same rows as on the CPU
+//           the same rows as on the CPU; lowest similarity: the same picks as spread without
+//           the fold (the m keys least similar to their nearest old row, NaNs last), each
+//           assigned alone to its new row; into an empty dictionary key 0 opens row 0 first,
+//           takes every key, and its similarity to each ranks the others
 //   group   the chunk rows sorted by centroid, each centroid's members in increasing row order
 //           (a stable rank: O(L^2 / threads))
 //   update  each touched centroid's keys (OVQ) and values: running mean (or constant rate) of
-//           its members, summed in double in member order; then the counts; then (options)
-//           unit-norm keys and values
+//           its members, summed in double in member order (the delta rule: a value row that
+//           existed before the chunk by its members' residuals against the prediction yhat,
+//           read before this program); then the counts; then (options) unit-norm keys and
+//           values
 // Every step reads only what an earlier phase wrote, and nothing is accumulated with atomics:
 // the same bits on every run and in the emulation. A score of a new centroid is the
 // assignment's FMA chain (AssignProgram), so a row's centroid does not depend on whether it was
@@ -47,12 +52,17 @@ struct DictionaryWriteParams {
   // OVQ: entries (chunk index, m) in increasing chunk order; the counters' schedule is the next.
   const std::int64_t* schedule = nullptr;
   Index schedule_entries = 0;
-  bool spread = true;  // seeding: spread, else random
+  bool spread = true;  // seeding: spread, else random (or lowest similarity)
+  bool lowest_similarity = false;
   std::uint64_t seed = 0;
   bool adaptive = true;  // rate: running mean, else constant eta
   double eta = 0.0;
   bool renormalize = false;
   bool renormalize_values = false;
+  // The delta rule: per state L rows of dv, the read of the dictionary before the chunk with
+  // each chunk key as the query.
+  bool delta = false;
+  const Scalar* yhat = nullptr;
   // Per state, L entries each: (nearest, assigned) from AssignProgram (VQ: the codes in
   // `assigned`), then scratch.
   Scalar* nearest = nullptr;
@@ -110,12 +120,38 @@ struct DictionaryWriteProgram {
         p.opened[1] = advance;
       }
       for (Index i = t; i < L; i += kThreads) picked[i] = 0;
-      if (!p.spread && t == 0 && m > 0)
+      if (!p.spread && !p.lowest_similarity && t == 0 && m > 0)
         ovq::kernels::draw_seed_rows(p.seed, c.absorbed / L, L, m, draws);
     });
-    for (Index step = 0; step < m; ++step) {
-      const Index r = n0 + step;
-      if (p.spread) {
+    // Lowest similarity into an empty dictionary: key 0 opens row 0 and takes every key.
+    Index first_row = n0, seeds = m;
+    if (p.lowest_similarity && n0 == 0 && m > 0) {
+      block.each([&](int t) {
+        const Scalar* k = p.keys.row(s, 0);
+        const Scalar* v = p.values.row(s, 0);
+        for (Index col = t; col < p.dk; col += kThreads) dict.keys.row(0)[col] = k[col];
+        for (Index col = t; col < p.dv; col += kThreads) dict.values.row(0)[col] = v[col];
+        if (t == 0) {
+          set_count(dict, 0, 0);
+          picked[0] = 1;
+        }
+      });
+      block.each([&](int t) {
+        const Scalar* seed_key = p.keys.row(s, 0);
+        for (Index i = t; i < L; i += kThreads) {
+          const Scalar* k = p.keys.row(s, i);
+          Scalar dot = Scalar(0);
+          for (Index col = 0; col < p.dk; ++col) dot = std::fma(k[col], seed_key[col], dot);
+          nearest[i] = dot;
+          assigned[i] = 0;
+        }
+      });
+      first_row = 1;
+      seeds = m - 1;
+    }
+    for (Index step = 0; step < seeds; ++step) {
+      const Index r = first_row + step;
+      if (p.spread || p.lowest_similarity) {
         block.each([&](int t) {
           Index first = -1, best = -1;
           Scalar value = Scalar(0);
@@ -147,7 +183,11 @@ struct DictionaryWriteProgram {
             }
           }
           const Scalar x = nearest[first];
-          pick[0] = x != x ? first : best;  // a NaN first row is never replaced (CPU scan)
+          if (p.lowest_similarity) {
+            pick[0] = best >= 0 ? best : first;  // NaNs last, in row order
+          } else {
+            pick[0] = x != x ? first : best;  // a NaN first row is never replaced (CPU scan)
+          }
           picked[pick[0]] = 1;
         });
       } else {
@@ -155,14 +195,19 @@ struct DictionaryWriteProgram {
           if (t == 0) pick[0] = draws[step];
         });
       }
-      // Open centroid r on the picked row, then fold its scores into every row.
+      // Open centroid r on the picked row, then fold its scores into every row (lowest
+      // similarity: assign the picked row alone to it).
       block.each([&](int t) {
         const Scalar* k = p.keys.row(s, pick[0]);
         const Scalar* v = p.values.row(s, pick[0]);
         for (Index col = t; col < p.dk; col += kThreads) dict.keys.row(r)[col] = k[col];
         for (Index col = t; col < p.dv; col += kThreads) dict.values.row(r)[col] = v[col];
-        if (t == 0) set_count(dict, r, 0);
+        if (t == 0) {
+          set_count(dict, r, 0);
+          if (p.lowest_similarity) assigned[pick[0]] = r;
+        }
       });
+      if (p.lowest_similarity) continue;
       block.each([&](int t) {
         const Scalar* seed_key = p.keys.row(s, pick[0]);
         for (Index i = t; i < L; i += kThreads) {
@@ -199,15 +244,27 @@ struct DictionaryWriteProgram {
         while (q_end < L && assigned[order[q_end]] == r) ++q_end;
         const bool key = p.ovq && col < p.dk;
         const Index cc = key ? col : col - (p.ovq ? p.dk : 0);
+        // Rows that existed before the chunk predict their members' values (the delta rule).
+        const bool residual = !key && p.delta && r < n0;
         double sum = 0.0;
         for (Index u = q; u < q_end; ++u) {
           const Scalar* row = key ? p.keys.row(s, order[u]) : p.values.row(s, order[u]);
-          sum = sum + static_cast<double>(row[cc]);
+          if (residual) {
+            const Scalar* predicted = p.yhat + (s * L + order[u]) * p.dv;
+            sum = sum + (static_cast<double>(row[cc]) - static_cast<double>(predicted[cc]));
+          } else {
+            sum = sum + static_cast<double>(row[cc]);
+          }
         }
         Scalar* target = key ? dict.keys.row(r) + cc : dict.values.row(r) + cc;
         const double cnt = static_cast<double>(q_end - q);
         const double old = static_cast<double>(*target);
-        if (p.adaptive) {
+        if (residual) {
+          const double factor = p.adaptive
+                                    ? 1.0 / static_cast<double>(dict.counts[r] + (q_end - q))
+                                    : p.eta / cnt;
+          *target = static_cast<Scalar>(old + ovq::detail::mul_rn(sum, factor));
+        } else if (p.adaptive) {
           const double inv_total = 1.0 / static_cast<double>(dict.counts[r] + (q_end - q));
           *target = static_cast<Scalar>(
               old + ovq::detail::mul_rn(sum - ovq::detail::mul_rn(cnt, old), inv_total));

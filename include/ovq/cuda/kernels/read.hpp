@@ -76,6 +76,8 @@ enum class ReadSource : int {
   dictionary,  // memory: dictionary rows [0, size) with bias; local: the pending rows, of which
                // the call's queries are the last n_queries
   fixed,       // the extent given in the parameters (no counters)
+  dictionary_rows,  // memory: dictionary rows [0, size) with bias; no local rows (the OVQ delta
+                    // rule's prediction, queries the pending keys)
 };
 
 struct ReadExtent {
@@ -106,6 +108,9 @@ struct ReadParams {
   // false: a log-count bias is read as 0 where the count is > 0 (log c >= 0) and stays -inf
   // where it is 0, OVQ's read without the count bias.
   bool count_bias = true;
+  // >= 0: the read runs only while the state has exactly this many pending rows (a captured
+  // step's write-time read, which must do nothing when its chunk is not complete).
+  Index only_if_pending = -1;
   Index ring = 0;         // cache source: ring capacity (rows), 0 if none
   HeadRows<Scalar> local_keys, local_values;
   // Split mode: block z of (tile, state) writes rows x (kD + 2) scalars at
@@ -119,6 +124,8 @@ struct ReadParams {
     ReadExtent e;
     if (source == ReadSource::fixed) {
       e = fixed_extent;
+    } else if (source == ReadSource::dictionary_rows) {
+      e.memory_rows = static_cast<Index>(counters->size);
     } else if (source == ReadSource::cache) {
       e.memory_rows = static_cast<Index>(counters->size);
       e.origin = counters->tokens - counters->size;
@@ -224,6 +231,7 @@ struct ReadProgram {
 
   template <class Block>
   OVQ_HOST_DEVICE static void run(Block& block, const Params& p, BlockIndex index) {
+    if (p.only_if_pending >= 0 && p.counters->pending != p.only_if_pending) return;
     Scalar* sh = static_cast<Scalar*>(block.shared());
     const Index s = index.y;
     const Index tile = index.x;
@@ -531,6 +539,7 @@ struct MergeProgram {
 
   template <class Block>
   OVQ_HOST_DEVICE static void run(Block& block, const Params& p, BlockIndex index) {
+    if (p.only_if_pending >= 0 && p.counters->pending != p.only_if_pending) return;
     using Read = ReadProgram<Scalar, kD, kRows>;
     const Index s = index.y, tile = index.x;
     const QueryTiling qt = QueryTiling::make(p.group, p.n_queries, kRows);
