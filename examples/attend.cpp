@@ -23,6 +23,7 @@
 #include <fstream>
 #include <initializer_list>
 #include <iostream>
+#include <iterator>
 #include <map>
 #include <new>
 #include <optional>
@@ -524,10 +525,15 @@ std::optional<Config> parse_command_line(int argc, char** argv) {
     case MixerKind::ovq: {
       ovq::OvqOptions& o = cfg.ovq;
       if (has("--preset")) {
-        o = parse_choice<ovq::OvqOptions>("--preset", value("--preset"),
-                                          {{"default", ovq::OvqOptions::preset("default")},
-                                           {"kvm", ovq::OvqOptions::preset("kvm")},
-                                           {"kvm-delta", ovq::OvqOptions::preset("kvm-delta")}});
+        // The library's presets, by name (a name it does not have is a usage error).
+        const std::string name = value("--preset");
+        std::string names;
+        for (const char* known : ovq::OvqOptions::kPresetNames)
+          names += (names.empty() ? "" : ", ") + std::string(known);
+        const auto& all = ovq::OvqOptions::kPresetNames;
+        if (std::find(std::begin(all), std::end(all), name) == std::end(all))
+          throw UsageError("--preset: '" + name + "' is not one of " + names);
+        o = ovq::OvqOptions::preset(name);
       }
       if (beta) o.beta = *beta;
       if (chunk) o.chunk = *chunk;
