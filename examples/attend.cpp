@@ -747,9 +747,12 @@ RowMatrix<typename Mixer::scalar_type> drive(ovq::MultiHead<Mixer>& layer, const
   }
 #if defined(OVQ_ATTEND_CUDA)
   if (cfg.cuda) {
-    if constexpr (!ovq::is_supported_scalar_v<Scalar>) {
-      throw InputError(std::string("--device cuda: the CUDA mixers run on float32 and float64, "
-                                   "not ") + ovq::element_name<Scalar>());
+    using Options = std::decay_t<decltype(layer.mixer().options())>;
+    if constexpr (!ovq::is_supported_scalar_v<Scalar> &&
+                  !std::is_same_v<Options, ovq::SelfAttentionOptions>) {
+      throw InputError(std::string("--device cuda: the CUDA linear, VQ and OVQ mixers run on "
+                                   "float32 and float64, not ") + ovq::element_name<Scalar>() +
+                       " (self-attention also runs on float16 and bfloat16)");
     } else {
     attend_cuda::Problem<Scalar> p;
     p.hq = d.hq;

@@ -112,6 +112,10 @@ template RowMatrix<float> run(const ovq::SelfAttentionOptions&, std::vector<ovq:
                               const Problem<float>&);
 template RowMatrix<double> run(const ovq::SelfAttentionOptions&, std::vector<ovq::KvCache<double>>&,
                                const Problem<double>&);
+template RowMatrix<ovq::bf16> run(const ovq::SelfAttentionOptions&,
+                                  std::vector<ovq::KvCache<ovq::bf16>>&, const Problem<ovq::bf16>&);
+template RowMatrix<ovq::fp16> run(const ovq::SelfAttentionOptions&,
+                                  std::vector<ovq::KvCache<ovq::fp16>>&, const Problem<ovq::fp16>&);
 template RowMatrix<float> run(const ovq::LinearAttentionOptions&,
                               std::vector<ovq::LinearState<float>>&, const Problem<float>&);
 template RowMatrix<double> run(const ovq::LinearAttentionOptions&,

@@ -19,6 +19,7 @@ struct Problem {
   bool steps = false;
 };
 
+// Self-attention for float, double, ovq::bf16 and ovq::fp16; the others for float and double.
 template <class Scalar>
 ovq::RowMatrix<Scalar> run(const ovq::SelfAttentionOptions& options,
                            std::vector<ovq::KvCache<Scalar>>& states, const Problem<Scalar>& p);

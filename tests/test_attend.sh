@@ -620,6 +620,13 @@ elif r.returncode == 1:
     ok(len(lines) == 1 and lines[0].startswith("attend: --device cuda: no CUDA device"),
        "--device cuda without a GPU: stderr %r" % r.stderr)
     ok(not os.path.exists(probe_out), "--device cuda without a GPU: output written")
+    # 16-bit runs: self-attention goes on to look for the GPU, the other mixers are refused first.
+    r = run(["self", *base, "--storage", "bf16", "--device", "cuda", "--out", probe_out])
+    ok(r.returncode == 1 and "no CUDA device" in r.stderr,
+       "--device cuda --storage bf16 (self) without a GPU: exit %d, stderr %r" % (r.returncode, r.stderr))
+    r = run(["linear", *base, "--storage", "bf16", "--device", "cuda", "--out", probe_out])
+    ok(r.returncode == 1 and "run on float32 and float64, not bfloat16" in r.stderr,
+       "--device cuda --storage bf16 (linear): exit %d, stderr %r" % (r.returncode, r.stderr))
 else:
     ok(r.returncode == 0, "--device cuda: exit %d, stderr %r" % (r.returncode, r.stderr))
     for dtype in (np.float32, np.float64):
@@ -648,6 +655,18 @@ else:
                 O = attend("ovq", Q, Ku, V, "--growth", "linear", "--capacity", Q.shape[-2],
                            "--chunk", 8, "--beta", 2.0, "--device", "cuda", *way, what=what)
                 close(O, per_head(Q, Ku, V, lambda q, k, v, g: ref_self(q, k, v, 2.0)), dtype, what)
+    # 16-bit self-attention on the tensor cores: float16 inputs, and bf16 storage.
+    for lname, Q, K, V in layouts(np.float32):
+        for kind in (np.float16, "bf16"):
+            args = ["--storage", "bf16"] if kind == "bf16" else []
+            Qh, Kh, Vh = ((Q, K, V) if kind == "bf16" else
+                          (Q.astype(np.float16), K.astype(np.float16), V.astype(np.float16)))
+            Qr, Kr, Vr = ((to_bf16(Q), to_bf16(K), to_bf16(V)) if kind == "bf16" else (Qh, Kh, Vh))
+            for way in ([], ["--stream"]):
+                what = "self cuda %s %s %s" % (kind if kind == "bf16" else "float16", lname, way)
+                O = attend("self", Qh, Kh, Vh, "--beta", 0.5, "--chunk", 8, *args, "--device",
+                           "cuda", *way, what=what)
+                close(O, per_head(Qr, Kr, Vr, lambda q, k, v, g: ref_self(q, k, v, 0.5)), kind, what)
 
 # Zero tokens is a valid (empty) sequence.
 for mixer in ("self", "linear", "ovq"):

@@ -1,16 +1,22 @@
 // The CUDA path on the host: every device kernel (block program) and every device mixer run in
 // the emulator (ovq/cuda/emulator.hpp), which computes what a GPU computes, against the double
 // references, the CPU mixers, and themselves (prefill tiles == decode tiles, stream cuts,
-// graph-capture launches). On a machine with a GPU, tests/cuda compares the GPU with the same
-// emulation bit for bit.
+// graph-capture launches), and the 16-bit path (the kernels' conversions against Eigen's, the
+// tensor-core tile product against the PTX fragment layout, the tensor-core read, the 16-bit
+// device self-attention against the CPU's). On a machine with a GPU, tests/cuda compares the GPU
+// with the same emulation.
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <vector>
 
+#include "ovq/cuda/elements.hpp"
 #include "ovq/cuda/emulator.hpp"
+#include "ovq/cuda/kernels/half.hpp"
 #include "ovq/cuda/kernels/launch.hpp"
+#include "ovq/cuda/kernels/mma.hpp"
 #include "ovq/cuda/linear_attention.hpp"
 #include "ovq/cuda/ovq_attention.hpp"
 #include "ovq/cuda/schedule.hpp"
@@ -75,13 +81,17 @@ struct ReadCase {
   bool bias;
 };
 
-// One state's read through ReadProgram (prefill tiles, or decode tiles split over merge
-// blocks), on the emulator.
+// One state's read through ReadProgram, or TensorReadProgram for a 16-bit element (prefill
+// tiles, or decode tiles split over merge blocks), on the emulator.
 template <class S>
 RowMatrix<S> emulated_read(const ReadCase& c, const RowMatrix<S>& q, const RowMatrix<S>& km,
-                           const RowMatrix<S>& vm, const std::vector<S>& bias,
-                           const RowMatrix<S>& kl, const RowMatrix<S>& vl, S beta, bool decode) {
-  cuda::kernels::ReadParams<S> p;
+                           const RowMatrix<S>& vm, const std::vector<compute_t<S>>& bias,
+                           const RowMatrix<S>& kl, const RowMatrix<S>& vl, compute_t<S> beta,
+                           bool decode) {
+  using C = compute_t<S>;
+  using Stored = cuda::device_element_t<S>;
+  const auto rows = [](const RowMatrix<S>& m) { return reinterpret_cast<const Stored*>(m.data()); };
+  cuda::kernels::ReadParams<C, Stored> p;
   p.source = cuda::kernels::ReadSource::fixed;
   p.fixed_extent.origin = c.origin;
   p.fixed_extent.memory_rows = c.memory;
@@ -89,8 +99,8 @@ RowMatrix<S> emulated_read(const ReadCase& c, const RowMatrix<S>& q, const RowMa
   p.fixed_extent.query_offset = c.local - c.queries;
   RowMatrix<S> o(c.group * c.queries, c.dv);
   o.setConstant(std::numeric_limits<S>::quiet_NaN());
-  p.q = {q.data(), c.queries * c.dk, c.dk};
-  p.o = {o.data(), c.queries * c.dv, c.dv};
+  p.q = {rows(q), c.queries * c.dk, c.dk};
+  p.o = {reinterpret_cast<Stored*>(o.data()), c.queries * c.dv, c.dv};
   p.states = 1;
   p.group = c.group;
   p.n_queries = c.queries;
@@ -99,42 +109,79 @@ RowMatrix<S> emulated_read(const ReadCase& c, const RowMatrix<S>& q, const RowMa
   p.beta = beta;
   p.causal = c.causal;
   p.window = c.window;
-  p.memory_keys = {km.data(), 0, c.dk};
-  p.memory_values = {vm.data(), 0, c.dv};
+  p.memory_keys = {rows(km), 0, c.dk};
+  p.memory_values = {rows(vm), 0, c.dv};
   if (c.bias) p.bias = {bias.data(), 0, 1};
-  p.local_keys = {kl.data(), 0, c.dk};
-  p.local_values = {vl.data(), 0, c.dv};
-  cuda::kernels::ReadPlan plan = cuda::kernels::plan_read(
-      1, c.group, c.queries, std::max(c.dk, c.dv), c.memory + c.local, sizeof(S) == 8);
+  p.local_keys = {rows(kl), 0, c.dk};
+  p.local_values = {rows(vl), 0, c.dv};
+  if constexpr (is_half_v<S>) {
+    p.aligned_rows = cuda::detail::aligned_rows(p.q, c.dk) &&
+                     cuda::detail::aligned_rows(p.memory_keys, c.dk) &&
+                     cuda::detail::aligned_rows(p.memory_values, c.dv) &&
+                     cuda::detail::aligned_rows(p.local_keys, c.dk) &&
+                     cuda::detail::aligned_rows(p.local_values, c.dv);
+  }
+  const Index width = std::max(c.dk, c.dv);
+  cuda::kernels::ReadPlan plan =
+      cuda::kernels::plan_read<Stored>(1, c.group, c.queries, width, c.memory + c.local);
   if (decode != plan.decode) {
     // Force the other tiling: a decode plan for a read that would be a prefill and back.
     plan.decode = decode;
-    const Index rows = decode ? cuda::kernels::kDecodeRows
-                              : (cuda::kernels::padded_width(std::max(c.dk, c.dv)) > 128 ? 1 : 2) *
-                                    (sizeof(S) == 4 ? 32 : 16);
+    const Index tile_rows = decode ? cuda::kernels::kDecodeRows<Stored>
+                                   : cuda::kernels::prefill_rows<Stored>(width);
     plan.tiles = static_cast<int>(
-        cuda::kernels::QueryTiling::make(c.group, c.queries, rows).tiles());
+        cuda::kernels::QueryTiling::make(c.group, c.queries, tile_rows).tiles());
     plan.splits = static_cast<int>((c.memory + c.local) / kernels::kBlockKeys + 2);
     plan.workspace_scalars = static_cast<std::size_t>(plan.tiles * plan.splits) *
-                             cuda::kernels::kDecodeRows *
-                             (cuda::kernels::padded_width(std::max(c.dk, c.dv)) + 2);
+                             cuda::kernels::kDecodeRows<Stored> *
+                             (cuda::kernels::padded_width(width) + 2);
   }
-  std::vector<S> workspace(plan.workspace_scalars);
+  std::vector<C> workspace(plan.workspace_scalars);
   cuda::kernels::launch_read<Emulator>(p, plan, workspace.data(), nullptr);
   return o;
 }
 
+// Random rows of element S (a 16-bit element: float rows rounded).
+template <class S>
+RowMatrix<S> random_rows(Index rows, Index cols, std::uint64_t seed, double scale = 1.0) {
+  if constexpr (is_half_v<S>) {
+    return random_matrix<float>(rows, cols, seed, scale).unaryExpr([](float x) {
+      return narrow<S>(x);
+    });
+  } else {
+    return random_matrix<S>(rows, cols, seed, scale);
+  }
+}
+template <class S>
+RowMatrix<double> as_double(const RowMatrix<S>& m) {
+  return m.unaryExpr([](S x) { return static_cast<double>(widen(x)); });
+}
+
+// Normalised error a read may have against the contract in double on its own inputs: float
+// and double rounding, or (16-bit) the weights and the outputs rounded to 16 bits.
+template <class S>
+double read_tolerance() {
+  if constexpr (std::is_same_v<S, bf16>) {
+    return 1e-2;
+  } else if constexpr (std::is_same_v<S, fp16>) {
+    return 2e-3;
+  } else {
+    return tolerance<S>();
+  }
+}
+
 template <class S>
 void check_read_case(const ReadCase& c, std::uint64_t seed) {
-  const RowMatrix<S> q = random_matrix<S>(c.group * c.queries, c.dk, seed, 0.5);
-  const RowMatrix<S> km = random_matrix<S>(c.memory, c.dk, seed + 1, 0.5);
-  const RowMatrix<S> vm = random_matrix<S>(c.memory, c.dv, seed + 2);
-  const RowMatrix<S> kl = random_matrix<S>(c.local, c.dk, seed + 3, 0.5);
-  const RowMatrix<S> vl = random_matrix<S>(c.local, c.dv, seed + 4);
-  std::vector<S> bias(static_cast<std::size_t>(c.memory));
+  using C = compute_t<S>;
+  const RowMatrix<S> q = random_rows<S>(c.group * c.queries, c.dk, seed, 0.5);
+  const RowMatrix<S> km = random_rows<S>(c.memory, c.dk, seed + 1, 0.5);
+  const RowMatrix<S> vm = random_rows<S>(c.memory, c.dv, seed + 2);
+  const RowMatrix<S> kl = random_rows<S>(c.local, c.dk, seed + 3, 0.5);
+  const RowMatrix<S> vl = random_rows<S>(c.local, c.dv, seed + 4);
+  std::vector<C> bias(static_cast<std::size_t>(c.memory));
   std::mt19937_64 gen(seed + 5);
-  for (S& b : bias) b = (gen() % 7 == 0) ? -std::numeric_limits<S>::infinity() : S(gen() % 5);
-  const S beta = S(0.7);
+  for (C& b : bias) b = (gen() % 7 == 0) ? -std::numeric_limits<C>::infinity() : C(gen() % 5);
+  const C beta = C(0.7);
   const RowMatrix<S> prefill = emulated_read(c, q, km, vm, bias, kl, vl, beta, false);
   const RowMatrix<S> decode = emulated_read(c, q, km, vm, bias, kl, vl, beta, true);
   INFO("dk " << c.dk << " dv " << c.dv << " memory " << c.memory << " local " << c.local
@@ -146,16 +193,17 @@ void check_read_case(const ReadCase& c, std::uint64_t seed) {
   std::vector<double> bias_d(bias.begin(), bias.end());
   if (!c.bias) bias_d.clear();
   RowMatrix<double> expected(c.group * c.queries, c.dv);
-  const RowMatrix<double> qd = q.template cast<double>();
+  const RowMatrix<double> qd = as_double(q);
   for (Index h = 0; h < c.group; ++h) {
     const RowMatrix<double> qh = qd.middleRows(h * c.queries, c.queries);
     for (Index i = 0; i < c.queries; ++i)
       expected.row(h * c.queries + i) =
-          read_row(qh, i, km.template cast<double>(), vm.template cast<double>(), bias_d,
-                   kl.template cast<double>(), vl.template cast<double>(), mask, beta)
+          read_row(qh, i, as_double(km), as_double(vm), bias_d, as_double(kl), as_double(vl),
+                   mask, beta)
               .transpose();
   }
-  CHECK(relative_error(prefill, expected) < tolerance<S>());
+  const double error = relative_error(as_double(prefill), expected);
+  CHECK(error < read_tolerance<S>());
 }
 
 TEMPLATE_TEST_CASE("cuda read program (emulated): prefill tiles == decode tiles == the contract",
@@ -171,6 +219,24 @@ TEMPLATE_TEST_CASE("cuda read program (emulated): prefill tiles == decode tiles 
       {200, 256, 90, 17, 4, 1, 0, true, 0, false},    {32, 32, 2100, 3, 1, 4, 2047, true, 0, false},
       {16, 16, 400, 80, 80, 1, 123, true, 64, false}, {20, 20, 0, 40, 40, 2, 0, false, 0, false},
       {48, 16, 120, 33, 33, 1, 0, false, 0, true},    {16, 48, 700, 64, 16, 1, 3000, true, 300, true},
+  };
+  for (const ReadCase& c : cases) check_read_case<S>(c, seed += 10);
+}
+
+TEMPLATE_TEST_CASE("cuda tensor-core read (emulated): 16-bit rows, prefill tiles == decode tiles "
+                   "== the contract within 16-bit rounding",
+                   "[cuda][read][half]", bf16, fp16) {
+  using S = TestType;
+  std::uint64_t seed = 400;
+  // As the float cases: every compile-time width, merge blocks, windows, bias, grouped queries
+  // (more heads than a decode tile of 16 rows), non-causal reads; no prefill tile is full.
+  const std::vector<ReadCase> cases = {
+      {16, 16, 0, 9, 9, 1, 0, true, 0, false},       {5, 7, 70, 20, 3, 3, 0, true, 0, true},
+      {24, 40, 1100, 30, 30, 1, 0, true, 0, false},  {33, 64, 300, 12, 1, 20, 5, true, 0, true},
+      {64, 24, 1500, 5, 2, 10, 1000, true, 0, false}, {100, 130, 200, 70, 70, 2, 0, true, 0, true},
+      {200, 256, 90, 17, 4, 1, 0, true, 0, false},   {32, 32, 2100, 3, 1, 4, 2047, true, 0, false},
+      {16, 16, 400, 80, 80, 1, 123, true, 64, false}, {20, 20, 0, 40, 40, 2, 0, false, 0, false},
+      {128, 128, 150, 33, 33, 1, 0, false, 0, true}, {16, 48, 700, 64, 16, 1, 3000, true, 300, true},
   };
   for (const ReadCase& c : cases) check_read_case<S>(c, seed += 10);
 }
@@ -208,9 +274,11 @@ struct Stream3 {
 template <class S>
 Stream3<S> make_stream(Index heads, Index group, Index t, Index dk, Index dv, std::uint64_t seed,
                        bool unit_keys = false) {
-  Stream3<S> s{heads, group, t, dk, dv, random_matrix<S>(heads * group * t, dk, seed),
-               random_matrix<S>(heads * t, dk, seed + 1), random_matrix<S>(heads * t, dv, seed + 2)};
-  if (unit_keys) s.k.rowwise().normalize();
+  Stream3<S> s{heads, group, t, dk, dv, random_rows<S>(heads * group * t, dk, seed),
+               random_rows<S>(heads * t, dk, seed + 1), random_rows<S>(heads * t, dv, seed + 2)};
+  if constexpr (!is_half_v<S>) {
+    if (unit_keys) s.k.rowwise().normalize();
+  }
   return s;
 }
 
@@ -634,6 +702,222 @@ TEST_CASE("cuda KV cache (emulated): a captured step past the reserved capacity 
   MultiHead<SelfAttention<S>> cpu(SelfAttention<S>(SelfAttentionOptions{}), 1, 1, 1, dk, dv);
   cpu.forward(in.q, in.k, in.v);
   CHECK(host[0] == cpu.state(0, 0));
+}
+
+template <class H>
+using BitsOf = cuda::device_element_t<H>;
+
+template <class H>
+std::uint16_t bits(H x) {
+  std::uint16_t b;
+  std::memcpy(&b, &x, sizeof b);
+  return b;
+}
+template <class H>
+H from_bits(std::uint16_t b) {
+  H x;
+  std::memcpy(&x, &b, sizeof b);
+  return x;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Conversions
+// ---------------------------------------------------------------------------------------------
+
+TEMPLATE_TEST_CASE("cuda 16-bit conversions == Eigen's: every value widened, floats rounded to "
+                   "nearest even",
+                   "[cuda][half]", bf16, fp16) {
+  using H = TestType;
+  using B = BitsOf<H>;
+  for (std::uint32_t b = 0; b < 65536; ++b) {
+    const float mine = cuda::kernels::widen(B{static_cast<std::uint16_t>(b)});
+    const float eigen = static_cast<float>(from_bits<H>(static_cast<std::uint16_t>(b)));
+    if (std::isnan(eigen)) {
+      CHECK(std::isnan(mine));
+    } else if (cuda::kernels::bits_of(mine) != cuda::kernels::bits_of(eigen)) {
+      FAIL_CHECK("widen " << b << ": " << mine << " != " << eigen);
+    }
+  }
+  // Floats around every 16-bit value: the value, the midpoints to its neighbours (ties) and
+  // one float either side of them, plus random floats of every magnitude.
+  std::vector<float> probes;
+  for (std::uint32_t b = 0; b < 65536; b += 3) {
+    const float x = static_cast<float>(from_bits<H>(static_cast<std::uint16_t>(b)));
+    const float y = static_cast<float>(from_bits<H>(static_cast<std::uint16_t>(b + 1)));
+    if (!std::isfinite(x) || !std::isfinite(y)) continue;
+    const float mid = static_cast<float>((static_cast<double>(x) + y) / 2);
+    probes.insert(probes.end(), {x, mid, std::nextafter(mid, -INFINITY), std::nextafter(mid, INFINITY)});
+  }
+  std::mt19937 gen(5);
+  for (int i = 0; i < 200000; ++i) probes.push_back(cuda::kernels::float_from_bits(gen()));
+  probes.insert(probes.end(), {0.0f, -0.0f, INFINITY, -INFINITY, 65504.0f, 65519.99f, 65520.0f,
+                               std::numeric_limits<float>::denorm_min(), 3e38f, -3.4e38f});
+  std::size_t wrong = 0;
+  for (const float x : probes) {
+    const std::uint16_t mine = cuda::kernels::narrow<B>(x).bits;
+    if (std::isnan(x)) {
+      CHECK(std::isnan(cuda::kernels::widen(B{mine})));
+      continue;
+    }
+    if (mine != bits(static_cast<H>(x))) {
+      if (++wrong <= 5) FAIL_CHECK("narrow " << x << ": " << mine << " != " << bits(static_cast<H>(x)));
+    }
+  }
+  CHECK(wrong == 0);
+  CHECK(cuda::kernels::largest_finite_of<B>() == widen(Eigen::NumTraits<H>::highest()));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The tensor-core tile product
+// ---------------------------------------------------------------------------------------------
+
+// D = A B + C for one warp, every lane's entries gathered by the C layout (lane l holds rows
+// l / 4 and l / 4 + 8, columns 2 (l % 4) and + 1), B given row-major or as its transpose.
+template <class B>
+RowMatrix<float> warp_product(const std::vector<B>& a, int lda, const std::vector<B>& b, int ldb,
+                              bool transposed, const RowMatrix<float>& c) {
+  RowMatrix<float> d(16, 8);
+  for (int lane = 0; lane < 32; ++lane) {
+    float acc[4];
+    for (int i = 0; i < 4; ++i) acc[i] = c(lane / 4 + (i >= 2 ? 8 : 0), 2 * (lane % 4) + (i & 1));
+    cuda::kernels::mma<B>(
+        lane, [&](int l) { return cuda::kernels::mma_load_a(a.data(), lda, l); },
+        [&](int l) {
+          return transposed ? cuda::kernels::mma_load_b_transposed(b.data(), ldb, l)
+                            : cuda::kernels::mma_load_b(b.data(), ldb, l);
+        },
+        acc);
+    for (int i = 0; i < 4; ++i) d(lane / 4 + (i >= 2 ? 8 : 0), 2 * (lane % 4) + (i & 1)) = acc[i];
+  }
+  return d;
+}
+
+TEMPLATE_TEST_CASE("cuda tensor-core tile product (emulated): the fragment loaders read A, B and "
+                   "B^T as the PTX layout places them",
+                   "[cuda][half][mma]", bf16, fp16) {
+  using H = TestType;
+  using B = BitsOf<H>;
+  for (std::uint64_t seed = 1; seed <= 20; ++seed) {
+    // Strides past the tile, so that a loader reading the wrong row or column reads other
+    // values.
+    const int lda = 16 + static_cast<int>(seed % 5), ldb = 8 + static_cast<int>(seed % 7),
+              ldt = 16 + static_cast<int>(seed % 3);
+    const RowMatrix<H> a = random_rows<H>(16, lda, seed);
+    const RowMatrix<H> b = random_rows<H>(16, ldb, seed + 100);
+    const RowMatrix<float> c = random_matrix<float>(16, 8, seed + 200);
+    std::vector<B> a_bits(static_cast<std::size_t>(a.size())), b_bits(static_cast<std::size_t>(b.size())),
+        bt_bits(static_cast<std::size_t>(8 * ldt));
+    std::memcpy(a_bits.data(), a.data(), sizeof(H) * a_bits.size());
+    std::memcpy(b_bits.data(), b.data(), sizeof(H) * b_bits.size());
+    for (int k = 0; k < 16; ++k)
+      for (int n = 0; n < 8; ++n) bt_bits[static_cast<std::size_t>(n * ldt + k)] = b_bits[k * ldb + n];
+    const RowMatrix<double> ad = a.leftCols(16).unaryExpr([](H x) { return double(widen(x)); });
+    const RowMatrix<double> bd = b.leftCols(8).unaryExpr([](H x) { return double(widen(x)); });
+    const RowMatrix<double> expected = ad * bd + c.cast<double>();
+    const RowMatrix<float> direct = warp_product(a_bits, lda, b_bits, ldb, false, c);
+    const RowMatrix<float> via_transpose = warp_product(a_bits, lda, bt_bits, ldt, true, c);
+    INFO("seed " << seed);
+    // Products of 16-bit values are exact in float: only the 16 additions round.
+    CHECK((direct.cast<double>() - expected).cwiseAbs().maxCoeff() < 1e-5);
+    CHECK(same_bits(direct, via_transpose));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The 16-bit device self-attention against the CPU's
+// ---------------------------------------------------------------------------------------------
+
+// Normalised error between two 16-bit reads of the same 16-bit inputs, each within its bound of
+// the exact read (the CPU: 16-bit outputs; the GPU: also 16-bit weights).
+template <class H>
+constexpr double mixer_bound() {
+  return std::is_same_v<H, bf16> ? 1.5e-2 : 3e-3;
+}
+
+TEMPLATE_TEST_CASE("cuda 16-bit self-attention (emulated) == the CPU's 16-bit mixer, any cut of "
+                   "the stream; the cache holds the same 16-bit rows",
+                   "[cuda][half][mixers][self]", bf16, fp16) {
+  using H = TestType;
+  struct Case {
+    bool causal;
+    Index window, chunk, dk, dv, group;
+  };
+  const std::vector<std::vector<Index>> cuts = {{}, {37, 1, 1, 1, 60}, {1, 1, 5, 16, 16, 3}};
+  for (const Case& c : {Case{true, 0, 64, 16, 20, 3}, Case{true, 40, 32, 64, 64, 1},
+                        Case{true, 1, 16, 8, 8, 2}, Case{false, 0, 64, 12, 36, 1},
+                        Case{true, 0, 128, 128, 128, 8}}) {
+    SelfAttentionOptions opt;
+    opt.beta = 0.3;
+    opt.causal = c.causal;
+    opt.window = c.window;
+    opt.chunk = c.chunk;
+    const Index heads = 2, t = c.causal ? 150 : 40;
+    const Stream3<H> in = make_stream<H>(heads, c.group, t, c.dk, c.dv, 17);
+    MultiHead<SelfAttention<H>> cpu(SelfAttention<H>(opt), 1, heads * c.group, heads, c.dk, c.dv);
+    const RowMatrix<H> expected = cpu.forward(in.q, in.k, in.v);
+    const cuda::BasicSelfAttention<H, Emulator> mixer(opt);
+    RowMatrix<H> first;
+    for (const auto& cut : c.causal ? cuts : std::vector<std::vector<Index>>{{}}) {
+      const auto got = run_device(mixer, mixer.make_state(heads, c.dk, c.dv), in, cut);
+      INFO("window " << c.window << " causal " << c.causal << " dk " << c.dk << " group "
+                     << c.group << " pieces " << cut.size());
+      CHECK(relative_error(as_double(got.o), as_double(expected)) < mixer_bound<H>());
+      for (Index h = 0; h < heads; ++h) CHECK(got.states[h] == cpu.state(0, h));
+      if (first.size() == 0) first = got.o;
+      CHECK(same_bits(got.o, first));
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("cuda 16-bit self-attention (emulated): captured steps == host-planned steps; "
+                   "states to and from the host; bad values change nothing",
+                   "[cuda][half][capture]", bf16, fp16) {
+  using H = TestType;
+  const Index dk = 32, dv = 32, t = 40, heads = 2, group = 4;
+  const Stream3<H> in = make_stream<H>(heads, group, t, dk, dv, 29);
+  const cuda::BasicSelfAttention<H, Emulator> mixer(SelfAttentionOptions{});
+  cuda::EmulatedStream capture{true};
+  const auto planned =
+      run_device(mixer, mixer.make_state(heads, dk, dv), in, std::vector<Index>(t, 1));
+  auto reserved = mixer.make_state(heads, dk, dv);
+  mixer.reserve(reserved, heads * group, t);
+  const auto captured =
+      run_device(mixer, std::move(reserved), in, std::vector<Index>(t, 1), &capture);
+  CHECK(same_bits(planned.o, captured.o));
+  CHECK(planned.states[1] == captured.states[1]);
+
+  // The first half's state through the host, then the second half: the same outputs.
+  const Index half = t / 2;
+  const auto rows = [&](const RowMatrix<H>& m, Index per_head_heads, Index first, Index count) {
+    RowMatrix<H> out(per_head_heads * count, m.cols());
+    for (Index h = 0; h < per_head_heads; ++h)
+      out.middleRows(h * count, count) = m.middleRows(h * t + first, count);
+    return out;
+  };
+  const Stream3<H> a{heads, group, half, dk, dv, rows(in.q, heads * group, 0, half),
+                        rows(in.k, heads, 0, half), rows(in.v, heads, 0, half)};
+  const Stream3<H> b{heads, group, t - half, dk, dv, rows(in.q, heads * group, half, t - half),
+                        rows(in.k, heads, half, t - half), rows(in.v, heads, half, t - half)};
+  const auto first = run_device(mixer, mixer.make_state(heads, dk, dv), a, {});
+  auto resumed = mixer.make_state(heads, dk, dv);
+  resumed.from_host(first.states, nullptr);
+  const auto second = run_device(mixer, std::move(resumed), b, {});
+  const auto whole = run_device(mixer, mixer.make_state(heads, dk, dv), in, {});
+  CHECK(same_bits(rows(whole.o, heads * group, half, t - half), second.o));
+  CHECK(whole.states[0] == second.states[0]);
+
+  // A NaN in K: the device faults, the state is as it was, synchronize() names it.
+  auto state = mixer.make_state(heads, dk, dv);
+  const Rows<H> q(a.q, heads * group, nullptr), v(a.v, heads, nullptr);
+  RowMatrix<H> bad_k = a.k;
+  bad_k(3, 5) = from_bits<H>(std::is_same_v<H, bf16> ? 0x7fc0 : 0x7e00);
+  const Rows<H> k(bad_k, heads, nullptr);
+  const Rows<H> o(heads * group, half, dv, nullptr);
+  mixer.forward(state, q.view(), k.view(), v.view(), o.view(), nullptr);
+  CHECK_THROWS_MATCHES(state.synchronize(nullptr), ArgumentError,
+                       ovq::test::MessageHas({"not finite"}));
+  CHECK(state.tokens() == 0);
+  CHECK(state.to_host(nullptr)[0] == KvCache<H>(dk, dv));
 }
 
 }  // namespace

@@ -3,12 +3,15 @@
 //   bench_cuda [--quick] [--json FILE]
 //
 // Ceilings: device copy bandwidth (a device-to-device copy of 2 GiB, bytes read and written),
-// the FP32 FMA peak (a kernel of independent FMA chains), cuBLAS SGEMM (8192^3). Cases, timed
+// the FP32 FMA peak (a kernel of independent FMA chains), cuBLAS SGEMM and the bf16 GEMM
+// (cublasGemmEx, fp32 accumulation; 8192^3). Cases, timed
 // with CUDA events (median of the repetitions, after one untimed call), each reporting its rate
 // and its fraction of the matching ceiling:
 //   self_prefill_f32     causal self-attention prefill, T = 16384, d = 128, H = 32
+//   self_prefill_bf16    the same in bf16 (tensor cores), against the bf16 GEMM
 //   self_decode_f32      one decode step, 32 heads over a 128k-token cache (4 GiB of keys and
 //                        values: every step streams them from device memory)
+//   self_decode_bf16     the same over a bf16 cache (2 GiB)
 //   ovq_prefill_f32      OVQ prefill T = 32768, N = 2048, L = 128, d = 128, H = 32, against
 //                        self-attention prefill over the same T
 //   ovq_decode_graph     one OVQ decode step at capacity (N = 2048, d = 128, H = 32) replayed
@@ -89,7 +92,10 @@ template <class S>
 S* device_random(std::size_t n, std::uint64_t seed) {
   std::vector<S> host(n);
   std::uint64_t x = seed;
-  for (auto& v : host) v = static_cast<S>(static_cast<double>(ovq::detail::splitmix64(x) >> 11) * 0x1p-53 - 0.5);
+  for (auto& v : host)
+    v = static_cast<S>(static_cast<float>(static_cast<double>(ovq::detail::splitmix64(x) >> 11) *
+                                              0x1p-53 -
+                                          0.5));
   S* d = nullptr;
   check(cudaMalloc(&d, n * sizeof(S)), "cudaMalloc");
   check(cudaMemcpy(d, host.data(), n * sizeof(S), cudaMemcpyHostToDevice), "upload");
@@ -158,24 +164,38 @@ int main(int argc, char** argv) {
   cudaFree(ga);
   cudaFree(gb);
   cudaFree(gc);
+  bf16* ha = device_random<bf16>(std::size_t(n) * n, 4);
+  bf16* hb = device_random<bf16>(std::size_t(n) * n, 5);
+  float* hc = device_random<float>(std::size_t(n) * n, 6);
+  const double hgemm_ms = time_ms(stream, 5, [&] {
+    cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, ha, CUDA_R_16BF, n, hb,
+                 CUDA_R_16BF, n, &zero, hc, CUDA_R_32F, n, CUBLAS_COMPUTE_32F,
+                 CUBLAS_GEMM_DEFAULT);
+  });
+  const double hgemm_tflops = 2.0 * n * double(n) * n / hgemm_ms / 1e9;
+  rows.push_back({"ceiling: cuBLAS bf16 GEMM", "TFLOP/s", "-", hgemm_ms, hgemm_tflops, 1.0});
+  cudaFree(ha);
+  cudaFree(hb);
+  cudaFree(hc);
   cublasDestroy(blas);
 
   const Index h = 32, d = 128;
-  // ---- self-attention prefill ----
-  auto self_prefill = [&](Index t, double* ms_out) {
-    float* q = device_random<float>(std::size_t(h * t * d), 11);
-    float* k = device_random<float>(std::size_t(h * t * d), 12);
-    float* v = device_random<float>(std::size_t(h * t * d), 13);
-    float* o = nullptr;
-    cudaMalloc(&o, sizeof(float) * h * t * d);
+  // ---- self-attention prefill (element type of `tag`) ----
+  auto self_prefill = [&](Index t, double* ms_out, auto tag) {
+    using E = decltype(tag);
+    E* q = device_random<E>(std::size_t(h * t * d), 11);
+    E* k = device_random<E>(std::size_t(h * t * d), 12);
+    E* v = device_random<E>(std::size_t(h * t * d), 13);
+    E* o = nullptr;
+    cudaMalloc(&o, sizeof(E) * h * t * d);
     SelfAttentionOptions opt;
     opt.beta = 1.0 / std::sqrt(double(d));
     opt.chunk = t;  // one read over the whole prompt
-    const cuda::SelfAttention<float> mixer(opt);
+    const cuda::SelfAttention<E> mixer(opt);
     const double ms = time_ms(stream, 3, [&] {
       auto state = mixer.make_state(h, d, d, stream, t);
-      mixer.forward(state, heads<const float>(q, h, t, d), heads<const float>(k, h, t, d),
-                    heads<const float>(v, h, t, d), heads(o, h, t, d), stream);
+      mixer.forward(state, heads<const E>(q, h, t, d), heads<const E>(k, h, t, d),
+                    heads<const E>(v, h, t, d), heads(o, h, t, d), stream);
     });
     cudaFree(q);
     cudaFree(k);
@@ -185,38 +205,45 @@ int main(int argc, char** argv) {
     return 2.0 * h * (double(t) * (t + 1) / 2) * (2 * d) / ms / 1e9;  // TFLOP/s, causal half
   };
   double self_ms = 0;
-  const double self_tflops = self_prefill(16384 / scale, &self_ms);
+  const double self_tflops = self_prefill(16384 / scale, &self_ms, float{});
   rows.push_back({"self_prefill_f32 T=16384 d=128 H=32", "TFLOP/s", "FP32 FMA", self_ms,
                   self_tflops, self_tflops / fma_tflops});
+  double half_ms = 0;
+  const double half_tflops = self_prefill(16384 / scale, &half_ms, bf16{});
+  rows.push_back({"self_prefill_bf16 T=16384 d=128 H=32", "TFLOP/s", "bf16 GEMM", half_ms,
+                  half_tflops, half_tflops / hgemm_tflops});
 
-  // ---- self-attention decode over a long cache ----
-  {
+  // ---- self-attention decode over a long cache (element type of `tag`) ----
+  auto self_decode = [&](const char* name, auto tag) {
+    using E = decltype(tag);
     const Index ctx = 131072 / scale;
     SelfAttentionOptions opt;
     opt.beta = 1.0 / std::sqrt(double(d));
-    const cuda::SelfAttention<float> mixer(opt);
+    const cuda::SelfAttention<E> mixer(opt);
     auto state = mixer.make_state(h, d, d, stream);
     mixer.reserve(state, h, ctx + 8, stream);
-    float* k = device_random<float>(std::size_t(h * 4096 * d), 21);
-    float* v = device_random<float>(std::size_t(h * 4096 * d), 22);
+    E* k = device_random<E>(std::size_t(h * 4096 * d), 21);
+    E* v = device_random<E>(std::size_t(h * 4096 * d), 22);
     for (Index filled = 0; filled < ctx; filled += 4096)
-      mixer.absorb(state, heads<const float>(k, h, 4096, d), heads<const float>(v, h, 4096, d), stream);
-    float* q1 = device_random<float>(std::size_t(h * d), 23);
-    float* o1 = nullptr;
-    cudaMalloc(&o1, sizeof(float) * h * d);
+      mixer.absorb(state, heads<const E>(k, h, 4096, d), heads<const E>(v, h, 4096, d), stream);
+    E* q1 = device_random<E>(std::size_t(h * d), 23);
+    E* o1 = nullptr;
+    cudaMalloc(&o1, sizeof(E) * h * d);
     // Steps read the cache; the cache grows by one row a step (timing 5 of them).
     const double ms = time_ms(stream, 5, [&] {
-      mixer.step(state, heads<const float>(q1, h, 1, d), heads<const float>(k, h, 1, d),
-                 heads<const float>(v, h, 1, d), heads(o1, h, 1, d), stream);
+      mixer.step(state, heads<const E>(q1, h, 1, d), heads<const E>(k, h, 1, d),
+                 heads<const E>(v, h, 1, d), heads(o1, h, 1, d), stream);
     });
-    const double bytes = double(h) * ctx * 2 * d * sizeof(float);
+    const double bytes = double(h) * ctx * 2 * d * sizeof(E);
     const double gbs = bytes / ms / 1e6;
-    rows.push_back({"self_decode_f32 ctx=128k H=32 d=128", "GB/s", "copy", ms, gbs, gbs / copy_gbs});
+    rows.push_back({name, "GB/s", "copy", ms, gbs, gbs / copy_gbs});
     cudaFree(k);
     cudaFree(v);
     cudaFree(q1);
     cudaFree(o1);
-  }
+  };
+  self_decode("self_decode_f32 ctx=128k H=32 d=128", float{});
+  self_decode("self_decode_bf16 ctx=128k H=32 d=128", bf16{});
 
   // ---- OVQ prefill against self-attention at the same T ----
   {
@@ -241,7 +268,7 @@ int main(int argc, char** argv) {
     cudaFree(v);
     cudaFree(o);
     double self_t_ms = 0;
-    self_prefill(t, &self_t_ms);
+    self_prefill(t, &self_t_ms, float{});
     rows.push_back({"ovq_prefill_f32 T=32768 N=2048 L=128 H=32", "x faster than self", "self",
                     ms, self_t_ms / ms, self_t_ms / ms / 4.0});
   }

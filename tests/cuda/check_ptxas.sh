@@ -4,6 +4,7 @@
 # write kernels keep their accumulators in registers.
 #
 #   check_ptxas.sh REPORT ARCH...      e.g. check_ptxas.sh ptxas_report.txt sm_80 sm_90
+set -o pipefail  # the awk verdict, not c++filt's
 report=$1
 shift
 if [[ ! -s "$report" ]]; then

@@ -58,12 +58,22 @@ void launch_push(StateCounters* counters, ConstHeadsView<Scalar> k, ConstHeadsVi
   launch_counters<Backend>(counters, kernels::CounterOp::push, k.rows, chunk, nullptr, stream);
 }
 
-// A read's queries, outputs and shape: q (heads g, n, dk), o (heads g, n, dv).
-template <class Scalar>
-kernels::ReadParams<Scalar> read_params(ConstHeadsView<Scalar> q, HeadsView<Scalar> o,
-                                        Index heads, Index dk, Index dv, double beta,
-                                        StateCounters* counters) {
-  kernels::ReadParams<Scalar> p;
+// Whether every row of `rows` (d entries each) starts at a 16-byte boundary and holds whole
+// 16-byte pieces: the rows the 16-bit read loads 16 bytes at a time.
+template <class Stored>
+bool aligned_rows(const kernels::HeadRows<Stored>& rows, Index d) {
+  constexpr Index kPiece = 16 / sizeof(Stored);
+  return reinterpret_cast<std::uintptr_t>(rows.data) % 16 == 0 && rows.head_stride % kPiece == 0 &&
+         rows.row_stride % kPiece == 0 && d % kPiece == 0;
+}
+
+// A read's queries, outputs and shape: q (heads g, n, dk), o (heads g, n, dv); Scalar is the
+// arithmetic, Stored the rows' element.
+template <class Scalar, class Stored>
+kernels::ReadParams<Scalar, Stored> read_params(ConstHeadsView<Stored> q, HeadsView<Stored> o,
+                                                Index heads, Index dk, Index dv, double beta,
+                                                StateCounters* counters) {
+  kernels::ReadParams<Scalar, Stored> p;
   p.q = {q.data, q.head_stride, q.row_stride};
   p.o = {o.data, o.head_stride, o.row_stride};
   p.states = heads;

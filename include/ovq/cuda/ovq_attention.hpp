@@ -280,8 +280,8 @@ class BasicOvqAttention {
  private:
   kernels::ReadPlan step_plan(const State& st, Index group, Index n, Index memory,
                               Index local) const {
-    return kernels::plan_read(st.heads(), group, n, std::max(st.key_dim(), st.value_dim()),
-                              memory + local, sizeof(Scalar) == 8);
+    return kernels::plan_read<Scalar>(st.heads(), group, n,
+                                      std::max(st.key_dim(), st.value_dim()), memory + local);
   }
 
   struct WriteWorkspace {
@@ -352,7 +352,7 @@ class BasicOvqAttention {
 
   void read(State& st, ConstHeadsView<Scalar> q, HeadsView<Scalar> o, const kernels::ReadPlan& plan,
             Scalar* partials, Stream stream) const {
-    kernels::ReadParams<Scalar> p = detail::read_params(
+    kernels::ReadParams<Scalar> p = detail::read_params<Scalar>(
         q, o, st.heads(), st.key_dim(), st.value_dim(), options_.beta, st.device_counters());
     p.source = kernels::ReadSource::dictionary;
     p.memory_keys = {st.keys_.data(), st.capacity() * st.key_dim(), st.key_dim()};
@@ -376,7 +376,7 @@ class BasicOvqAttention {
       const Index L = st.chunk(), dk = st.key_dim(), dv = st.value_dim();
       const ConstHeadsView<Scalar> keys{st.pending_keys_.data(), st.heads(), L, dk, L * dk, dk};
       const HeadsView<Scalar> out{yhat, st.heads(), L, dv, L * dv, dv};
-      kernels::ReadParams<Scalar> p = detail::read_params(
+      kernels::ReadParams<Scalar> p = detail::read_params<Scalar>(
           keys, out, st.heads(), st.key_dim(), st.value_dim(), options_.beta,
           st.device_counters());
       p.source = kernels::ReadSource::dictionary_rows;

@@ -6,15 +6,18 @@
 // the host as needed, or reserved) or, with a window W, the last W - 1 in a ring. Rows sit at
 // absolute stream positions (ring slot = position mod W - 1), so the read tiles them on those
 // positions as the CPU does and any cut of the stream gives the same bits.
-// BasicSelfAttention<Scalar, Backend>: forward / step / absorb as on the CPU, each call a few
+// BasicSelfAttention<Element, Backend>: forward / step / absorb as on the CPU, each call a few
 // kernels on one stream (finiteness check, per piece of `chunk` tokens a read then an append),
-// never synchronising.
+// never synchronising. Element: float and double (reads on FP32 FMA and DFMA), ovq::bf16 and
+// ovq::fp16 (16-bit queries, keys, values, cache and outputs; reads on tensor cores with the
+// softmax and sums in float, as the CPU's 16-bit mixers compute in float).
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
 #include "ovq/cuda/buffer.hpp"
 #include "ovq/cuda/checks.hpp"
+#include "ovq/cuda/elements.hpp"
 #include "ovq/cuda/kernels/launch.hpp"
 #include "ovq/cuda/kernels/read.hpp"
 #include "ovq/cuda/kernels/rows.hpp"
@@ -32,7 +35,7 @@ class KvCacheState : public StateBase<Backend> {
 
  public:
   using Stream = typename Backend::Stream;
-  using scalar_type = Scalar;
+  using scalar_type = Scalar;  // the element type (16-bit: the cache's rows are 16-bit)
   using HostState = KvCache<Scalar>;
   static constexpr Index kKeepAll = KvCache<Scalar>::kKeepAll;
 
@@ -169,6 +172,9 @@ class KvCacheState : public StateBase<Backend> {
 
 template <class Scalar, class Backend>
 class BasicSelfAttention {
+  using Stored = device_element_t<Scalar>;  // what the kernels store
+  using Compute = compute_t<Scalar>;        // what they compute in
+
  public:
   using Options = SelfAttentionOptions;
   using State = KvCacheState<Scalar, Backend>;
@@ -218,7 +224,7 @@ class BasicSelfAttention {
     detail::check_query_heads("reserve", query_heads, state.heads());
     state.reserve(tokens, stream);
     const kernels::ReadPlan plan = read_plan(state, query_heads / state.heads(), 1, 0, true);
-    state.template workspace<Scalar>(plan.workspace_scalars, stream, "reserve");
+    state.template workspace<Compute>(plan.workspace_scalars, stream, "reserve");
   }
 
  private:
@@ -227,8 +233,8 @@ class BasicSelfAttention {
   kernels::ReadPlan read_plan(const State& st, Index group, Index n, Index rows,
                               bool capturing) const {
     const Index memory = capturing ? (st.keep_ >= 0 ? st.keep_ : st.capacity_) : rows;
-    return kernels::plan_read(st.heads(), group, n, std::max(st.key_dim(), st.value_dim()),
-                              memory + n, sizeof(Scalar) == 8);
+    return kernels::plan_read<Stored>(st.heads(), group, n,
+                                      std::max(st.key_dim(), st.value_dim()), memory + n);
   }
 
   Index keep_rows() const { return options_.window > 0 ? options_.window - 1 : State::kKeepAll; }
@@ -250,7 +256,9 @@ class BasicSelfAttention {
       st.grow(after.size + n, stream);
     }
     // Values first: a bad entry leaves the state as it was.
-    detail::launch_finite_check<Backend>(st.device_counters(), q, k, v, stream);
+    const ConstHeadsView<Stored> q_stored = q != nullptr ? stored(*q) : ConstHeadsView<Stored>{};
+    detail::launch_finite_check<Backend>(st.device_counters(), q != nullptr ? &q_stored : nullptr,
+                                         stored(k), stored(v), stream);
 
     const Index piece = options_.causal ? options_.chunk : n;
     for (Index c0 = 0; c0 < n; c0 += piece) {
@@ -269,32 +277,37 @@ class BasicSelfAttention {
   void read(State& st, ConstHeadsView<Scalar> q, ConstHeadsView<Scalar> k,
             ConstHeadsView<Scalar> v, HeadsView<Scalar> o, Index rows, bool capturing,
             const char* where, Stream stream) const {
-    kernels::ReadParams<Scalar> p = detail::read_params(
-        q, o, st.heads(), st.key_dim(), st.value_dim(), options_.beta, st.device_counters());
+    kernels::ReadParams<Compute, Stored> p = detail::read_params<Compute>(
+        stored(q), stored(o), st.heads(), st.key_dim(), st.value_dim(), options_.beta,
+        st.device_counters());
     p.causal = options_.causal;
     p.window = options_.window;
     p.source = kernels::ReadSource::cache;
-    p.memory_keys = {st.keys_.data(), st.capacity_ * st.dk_, st.dk_};
-    p.memory_values = {st.values_.data(), st.capacity_ * st.dv_, st.dv_};
+    p.memory_keys = {stored(st.keys()).data, st.capacity_ * st.dk_, st.dk_};
+    p.memory_values = {stored(st.values()).data, st.capacity_ * st.dv_, st.dv_};
     p.ring = st.ring();
-    p.local_keys = {k.data, k.head_stride, k.row_stride};
-    p.local_values = {v.data, v.head_stride, v.row_stride};
+    p.local_keys = {stored(k).data, k.head_stride, k.row_stride};
+    p.local_values = {stored(v).data, v.head_stride, v.row_stride};
+    p.aligned_rows = detail::aligned_rows(p.q, p.dk) && detail::aligned_rows(p.memory_keys, p.dk) &&
+                     detail::aligned_rows(p.memory_values, p.dv) &&
+                     detail::aligned_rows(p.local_keys, p.dk) &&
+                     detail::aligned_rows(p.local_values, p.dv);
     const kernels::ReadPlan plan = read_plan(st, p.group, p.n_queries, rows, capturing);
-    Scalar* ws = st.template workspace<Scalar>(plan.workspace_scalars, stream, where);
+    Compute* ws = st.template workspace<Compute>(plan.workspace_scalars, stream, where);
     kernels::launch_read<Backend>(p, plan, ws, stream);
   }
 
   void append(State& st, ConstHeadsView<Scalar> k, ConstHeadsView<Scalar> v, Stream stream) const {
-    kernels::CopyRowsParams<Scalar> c;
-    c.src[0] = k;
-    c.src[1] = v;
-    c.dst[0] = st.keys();
-    c.dst[1] = st.values();
+    kernels::CopyRowsParams<Stored> c;
+    c.src[0] = stored(k);
+    c.src[1] = stored(v);
+    c.dst[0] = stored(st.keys());
+    c.dst[1] = stored(st.values());
     c.counters = st.device_counters();
     c.ring = st.ring();
     c.limit = st.capacity_;
     if (st.keep_ != 0)
-      Backend::template launch<kernels::CopyRowsProgram<Scalar>>(
+      Backend::template launch<kernels::CopyRowsProgram<Stored>>(
           Grid{static_cast<int>(k.rows), static_cast<int>(st.heads()), 1}, c, stream);
     detail::launch_counters<Backend>(st.device_counters(), kernels::CounterOp::append, k.rows,
                                      st.capacity_, nullptr, stream, st.keep_);

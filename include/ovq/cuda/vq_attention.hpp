@@ -251,8 +251,9 @@ class BasicVqAttention {
   // The read of n positions over the codebook and a chunk (its size does not depend on where
   // in the chunk the read is).
   kernels::ReadPlan read_plan(const State& st, Index group, Index n) const {
-    return kernels::plan_read(st.heads(), group, n, std::max(st.key_dim(), st.value_dim()),
-                              st.codebook_size() + st.chunk(), sizeof(Scalar) == 8);
+    return kernels::plan_read<Scalar>(st.heads(), group, n,
+                                      std::max(st.key_dim(), st.value_dim()),
+                                      st.codebook_size() + st.chunk());
   }
 
   struct Workspace {
@@ -329,8 +330,9 @@ class BasicVqAttention {
 
       if (q != nullptr) {
         kernels::ReadParams<Scalar> p =
-            detail::read_params(q->middle_rows(pos, len), o->middle_rows(pos, len), st.heads(),
-                                st.key_dim(), st.value_dim(), options_.beta, st.device_counters());
+            detail::read_params<Scalar>(q->middle_rows(pos, len), o->middle_rows(pos, len),
+                                        st.heads(), st.key_dim(), st.value_dim(), options_.beta,
+                                        st.device_counters());
         p.source = kernels::ReadSource::dictionary;
         p.memory_keys = a.centroids;
         p.memory_values = {st.values_.data(), st.codebook_size() * st.value_dim(), st.value_dim()};

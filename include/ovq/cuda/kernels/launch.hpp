@@ -7,7 +7,9 @@
 
 #include "ovq/core/error.hpp"
 #include "ovq/cuda/block.hpp"
+#include "ovq/cuda/kernels/half.hpp"
 #include "ovq/cuda/kernels/read.hpp"
+#include "ovq/cuda/kernels/tensor_read.hpp"
 
 namespace ovq::cuda::kernels {
 
@@ -29,11 +31,20 @@ void dispatch_width(Index d, F&& f) {
   }
 }
 
-// Stacked rows of a prefill tile (float 64, double 32; half that at width 256, whose
-// accumulators would not fit the registers) and of a decode tile.
-template <class Scalar, int kD>
-inline constexpr int kPrefillRows = (sizeof(Scalar) == 4 ? 64 : 32) / (kD > 128 ? 2 : 1);
-inline constexpr int kDecodeRows = 8;
+// Stacked rows of a prefill tile and of a decode tile. FP32 and DFMA (ReadProgram): float 64,
+// double 32, half that at width 256, whose accumulators would not fit the registers; decode 8.
+// Tensor cores (TensorReadProgram, 16-bit elements): 64 (32 at width 256, whose tiles would
+// not fit an sm_80's shared memory) and 16 (one warp's mma rows).
+template <class Stored, int kD>
+inline constexpr int kPrefillRows =
+    (is_half_bits_v<Stored> ? 64 : sizeof(Stored) == 4 ? 64 : 32) / (kD > 128 ? 2 : 1);
+template <class Stored>
+inline constexpr int kDecodeRows = is_half_bits_v<Stored> ? 16 : 8;
+
+template <class Stored>
+int prefill_rows(Index width) {
+  return padded_width(width) > 128 ? kPrefillRows<Stored, 256> : kPrefillRows<Stored, 128>;
+}
 
 // How a read is launched. A read whose stacked rows (queries x group) fit one decode tile is a
 // decode: its merge blocks are split across thread blocks (grid.z) and merged by MergeProgram
@@ -46,25 +57,27 @@ struct ReadPlan {
 };
 
 // max_slots: an upper bound of the key slots the read can see (memory rows + local rows).
-inline ReadPlan plan_read(Index states, Index group, Index n_queries, Index width,
-                          Index max_slots, bool double_precision) {
+// Stored: the element of the rows read (float, double, or 16-bit bits). The workspace holds
+// the split partial states, in the arithmetic's scalars (float for 16-bit elements).
+template <class Stored>
+ReadPlan plan_read(Index states, Index group, Index n_queries, Index width, Index max_slots) {
   ReadPlan plan;
-  const int narrow = double_precision ? kPrefillRows<double, 128> : kPrefillRows<float, 128>;
-  const int rows = padded_width(width) > 128 ? narrow / 2 : narrow;
-  plan.decode = n_queries * group <= kDecodeRows;
-  const QueryTiling qt = QueryTiling::make(group, n_queries, plan.decode ? kDecodeRows : rows);
+  constexpr int kDecode = kDecodeRows<Stored>;
+  plan.decode = n_queries * group <= kDecode;
+  const QueryTiling qt =
+      QueryTiling::make(group, n_queries, plan.decode ? kDecode : prefill_rows<Stored>(width));
   plan.tiles = static_cast<int>(qt.tiles());
   if (plan.decode) {
     // Slots start at pad < kBlockKeys: the blocks a read touches.
     plan.splits = static_cast<int>((max_slots + kBlockKeys - 1) / kBlockKeys + 1);
     plan.workspace_scalars = static_cast<std::size_t>(states) * plan.tiles * plan.splits *
-                             kDecodeRows * (padded_width(width) + 2);
+                             kDecode * (padded_width(width) + 2);
   }
   return plan;
 }
 
-template <class Backend, class Scalar>
-void launch_read(ReadParams<Scalar> p, const ReadPlan& plan, Scalar* workspace,
+template <class Backend, class Scalar, class Stored>
+void launch_read(ReadParams<Scalar, Stored> p, const ReadPlan& plan, Scalar* workspace,
                  typename Backend::Stream stream) {
   if (p.n_queries == 0 || p.states == 0) return;
   p.tiles = plan.tiles;
@@ -73,13 +86,25 @@ void launch_read(ReadParams<Scalar> p, const ReadPlan& plan, Scalar* workspace,
   dispatch_width(std::max(p.dk, p.dv), [&](auto width) {
     constexpr int kD = decltype(width)::value;
     const int states = static_cast<int>(p.states);
-    if (plan.decode) {
-      Backend::template launch<ReadProgram<Scalar, kD, kDecodeRows>>(
+    constexpr int kDecode = kDecodeRows<Stored>;
+    constexpr int kPrefill = kPrefillRows<Stored, kD>;
+    if constexpr (is_half_bits_v<Stored>) {
+      if (plan.decode) {
+        Backend::template launch<TensorReadProgram<Stored, kD, kDecode>>(
+            Grid{plan.tiles, states, plan.splits}, p, stream);
+        Backend::template launch<MergeProgram<Scalar, kD, kDecode, Stored>>(
+            Grid{plan.tiles, states, 1}, p, stream);
+      } else {
+        Backend::template launch<TensorReadProgram<Stored, kD, kPrefill>>(
+            Grid{plan.tiles, states, 1}, p, stream);
+      }
+    } else if (plan.decode) {
+      Backend::template launch<ReadProgram<Scalar, kD, kDecode>>(
           Grid{plan.tiles, states, plan.splits}, p, stream);
-      Backend::template launch<MergeProgram<Scalar, kD, kDecodeRows>>(
+      Backend::template launch<MergeProgram<Scalar, kD, kDecode>>(
           Grid{plan.tiles, states, 1}, p, stream);
     } else {
-      Backend::template launch<ReadProgram<Scalar, kD, kPrefillRows<Scalar, kD>>>(
+      Backend::template launch<ReadProgram<Scalar, kD, kPrefill>>(
           Grid{plan.tiles, states, 1}, p, stream);
     }
   });

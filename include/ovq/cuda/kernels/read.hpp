@@ -36,6 +36,7 @@
 #include "ovq/core/views.hpp"
 #include "ovq/cuda/block.hpp"
 #include "ovq/cuda/counters.hpp"
+#include "ovq/cuda/kernels/half.hpp"
 #include "ovq/kernels/read_contract.hpp"
 
 namespace ovq::cuda::kernels {
@@ -88,11 +89,14 @@ struct ReadExtent {
   Index ring_start = 0;  // ring slot of memory row 0
 };
 
-template <class Scalar>
+// Scalar: the arithmetic (beta, bias, partial states); Stored: the element of queries, outputs,
+// keys and values (Scalar itself, or a 16-bit element computed in float).
+template <class Scalar, class Stored = Scalar>
 struct ReadParams {
+  using stored_type = Stored;
   // Query head g of state s, position i: q.row(s * group + g, i) (dk entries); o likewise (dv).
-  HeadRows<Scalar> q;
-  MutableHeadRows<Scalar> o;
+  HeadRows<Stored> q;
+  MutableHeadRows<Stored> o;
   Index states = 0;
   Index group = 1;       // query heads per state
   Index n_queries = 0;   // positions per query head
@@ -103,7 +107,7 @@ struct ReadParams {
   ReadSource source = ReadSource::cache;
   const StateCounters* counters = nullptr;
   ReadExtent fixed_extent;  // source fixed
-  HeadRows<Scalar> memory_keys, memory_values;
+  HeadRows<Stored> memory_keys, memory_values;
   HeadRows<Scalar> bias;  // row_stride 1; data == nullptr: none
   // false: a log-count bias is read as 0 where the count is > 0 (log c >= 0) and stays -inf
   // where it is 0, OVQ's read without the count bias.
@@ -112,7 +116,10 @@ struct ReadParams {
   // step's write-time read, which must do nothing when its chunk is not complete).
   Index only_if_pending = -1;
   Index ring = 0;         // cache source: ring capacity (rows), 0 if none
-  HeadRows<Scalar> local_keys, local_values;
+  // 16-bit reads: every row of q, keys and values starts at a 16-byte boundary and dk, dv are
+  // multiples of 8, so rows load in pieces of 8 elements (one 16-byte load).
+  bool aligned_rows = false;
+  HeadRows<Stored> local_keys, local_values;
   // Split mode: block z of (tile, state) writes rows x (kD + 2) scalars at
   // partials + (((s * tiles + tile) * grid_z + z) * kRows + r) * (kD + 2): the kD average
   // entries, then m and l.
@@ -152,7 +159,6 @@ struct ReadTraits {
   static constexpr int kRowGroups = kThreads / kGroups;
   static constexpr int kRowsPerThread = kRows / kRowGroups;
   static constexpr int kColsPerThread = kD / kGroups;
-  static constexpr int kTilesPerBlock = kBlockKeys / kKeyTile;
   static_assert(kRows % kRowGroups == 0, "rows divide among the row groups");
   static_assert(kBlockKeys % kKeyTile == 0, "merge blocks hold whole key tiles");
   // Shared memory, in scalars. Rows of Q and K are padded by one scalar, so that the 16 keys a
@@ -190,6 +196,103 @@ struct QueryTiling {
   OVQ_HOST_DEVICE Index tiles() const { return head_tiles * position_tiles; }
 };
 
+// The row of a query tile a stacked row is: its query head and position, or invalid.
+struct RowPlace {
+  Index head = 0, position = 0;
+  bool valid = false;
+};
+template <class Params>
+OVQ_HOST_DEVICE RowPlace row_place(const Params& p, const QueryTiling& qt, Index tile, Index r) {
+  const Index ht = tile % qt.head_tiles, pt = tile / qt.head_tiles;
+  RowPlace out;
+  out.head = ht * qt.heads_per_tile + r % qt.heads_per_tile;
+  out.position = pt * qt.positions_per_tile + r / qt.heads_per_tile;
+  out.valid = r / qt.heads_per_tile < qt.positions_per_tile && out.head < p.group &&
+              out.position < p.n_queries;
+  return out;
+}
+
+// The key row (or value row) behind slot x of the axis, or nullptr for an empty slot.
+template <class Params>
+OVQ_HOST_DEVICE const typename Params::stored_type* slot_row(const Params& p, const ReadExtent& ext,
+                                                            const KeyAxisGeometry& axis, Index s,
+                                                            Index x, bool values) {
+  if (x < axis.pad || x >= axis.end()) return nullptr;
+  if (x < axis.local_begin()) {
+    Index r = x - axis.pad;
+    if (p.ring > 0) r = (ext.ring_start + r) % p.ring;
+    return values ? p.memory_values.row(s, r) : p.memory_keys.row(s, r);
+  }
+  const Index j = x - axis.local_begin();
+  return values ? p.local_values.row(s, j) : p.local_keys.row(s, j);
+}
+
+// An output entry: clamped to the element's finite range (an average of finite values only
+// leaves it by rounding), then stored.
+template <class Stored, class Scalar>
+OVQ_HOST_DEVICE Stored output_entry(Scalar x) {
+  if constexpr (is_half_bits_v<Stored>) {
+    const float kMax = largest_finite_of<Stored>();
+    return narrow<Stored>(x < -kMax ? -kMax : (x > kMax ? kMax : x));
+  } else {
+    const Scalar kMax = sizeof(Scalar) == 4 ? Scalar(FLT_MAX) : Scalar(DBL_MAX);
+    return x < -kMax ? -kMax : (x > kMax ? kMax : x);
+  }
+}
+
+// What one query tile of a read sweeps: the key axis of its state, and for each merge block it
+// folds (split mode: block z of the visible ones only) the key tiles of kKeyTile slots its rows
+// see, tile-granular.
+struct TileSweep {
+  KeyAxisGeometry axis;
+  SlotRange slots;
+  Index first_block = 0, last_block = -1;
+  Index key_tile = 1, tiles_per_block = 1;
+
+  OVQ_HOST_DEVICE Index first_tile(Index b) const {
+    const Index lo = b * tiles_per_block, seen = slots.first / key_tile;
+    return lo > seen ? lo : seen;
+  }
+  OVQ_HOST_DEVICE Index last_tile(Index b) const {
+    const Index hi = (b + 1) * tiles_per_block - 1, seen = slots.last / key_tile;
+    return hi < seen ? hi : seen;
+  }
+};
+
+template <class Params>
+OVQ_HOST_DEVICE TileSweep tile_sweep(const Params& p, const ReadExtent& ext, const QueryTiling& qt,
+                                     Index tile, int rows, int key_tile, Index z) {
+  TileSweep sw;
+  ReadMask mask;
+  mask.causal = p.causal;
+  mask.window = p.window;
+  mask.query_offset = ext.query_offset;
+  sw.axis = ovq::kernels::key_axis_geometry(ext.origin, ext.memory_rows, ext.local_rows, mask,
+                                            p.n_queries);
+  sw.key_tile = key_tile;
+  sw.tiles_per_block = kBlockKeys / key_tile;
+  // The positions of the tile's valid rows, and the slots they see.
+  Index p_first = -1, p_last = -1;
+  for (Index r = 0; r < rows; ++r) {
+    const RowPlace rp = row_place(p, qt, tile, r);
+    if (!rp.valid) continue;
+    const Index pos = ext.query_offset + rp.position;
+    if (p_first < 0 || pos < p_first) p_first = pos;
+    if (pos > p_last) p_last = pos;
+  }
+  if (p_first >= 0) sw.slots = sw.axis.visible(p_first, p_last);
+  if (sw.slots.empty()) return sw;
+  const Index b_first = sw.slots.first / kBlockKeys, b_last = sw.slots.last / kBlockKeys;
+  if (p.splits > 1) {
+    sw.first_block = b_first + z;
+    sw.last_block = sw.first_block <= b_last ? sw.first_block : sw.first_block - 1;
+  } else {
+    sw.first_block = b_first;
+    sw.last_block = b_last;
+  }
+  return sw;
+}
+
 template <class Scalar, int kD, int kRows>
 struct ReadProgram {
   using Traits = ReadTraits<Scalar, kD, kRows>;
@@ -213,22 +316,6 @@ struct ReadProgram {
     Scalar m_new[kRPT];
   };
 
-  // The row of the tile a stacked row is: its query head and position, or invalid.
-  struct RowPlace {
-    Index head = 0, position = 0;
-    bool valid = false;
-  };
-  OVQ_HOST_DEVICE static RowPlace place(const Params& p, const QueryTiling& qt, Index tile,
-                                        Index r) {
-    const Index ht = tile % qt.head_tiles, pt = tile / qt.head_tiles;
-    RowPlace out;
-    out.head = ht * qt.heads_per_tile + r % qt.heads_per_tile;
-    out.position = pt * qt.positions_per_tile + r / qt.heads_per_tile;
-    out.valid = r / qt.heads_per_tile < qt.positions_per_tile && out.head < p.group &&
-                out.position < p.n_queries;
-    return out;
-  }
-
   template <class Block>
   OVQ_HOST_DEVICE static void run(Block& block, const Params& p, BlockIndex index) {
     if (p.only_if_pending >= 0 && p.counters->pending != p.only_if_pending) return;
@@ -237,43 +324,14 @@ struct ReadProgram {
     const Index tile = index.x;
     const ReadExtent ext = p.extent();
     const QueryTiling qt = QueryTiling::make(p.group, p.n_queries, kRows);
-    ReadMask mask;
-    mask.causal = p.causal;
-    mask.window = p.window;
-    mask.query_offset = ext.query_offset;
-    const KeyAxisGeometry axis = ovq::kernels::key_axis_geometry(
-        ext.origin, ext.memory_rows, ext.local_rows, mask, p.n_queries);
-
-    // The positions of the tile's valid rows, and the key tiles and merge blocks they see.
-    Index p_first = -1, p_last = -1;
-    for (Index r = 0; r < kRows; ++r) {
-      const RowPlace rp = place(p, qt, tile, r);
-      if (!rp.valid) continue;
-      const Index pos = ext.query_offset + rp.position;
-      if (p_first < 0 || pos < p_first) p_first = pos;
-      if (pos > p_last) p_last = pos;
-    }
-    SlotRange slots;
-    if (p_first >= 0) slots = axis.visible(p_first, p_last);
-    const bool any = !slots.empty();
-    const Index b_first = any ? slots.first / kBlockKeys : 0;
-    const Index b_last = any ? slots.last / kBlockKeys : -1;
     const bool split = p.splits > 1;
+    const TileSweep sw = tile_sweep(p, ext, qt, tile, kRows, kTile, index.z);
 
     typename Block::template PerThread<Thread> th;
     load_queries(block, p, qt, tile, s, sh, th);
-
-    const Index first_block = split ? b_first + index.z : b_first;
-    const Index last_block = split ? (b_first + index.z <= b_last ? first_block : first_block - 1)
-                                   : b_last;
-    for (Index b = first_block; b <= last_block; ++b) {
-      const Index t_lo = b * Traits::kTilesPerBlock > slots.first / kTile
-                             ? b * Traits::kTilesPerBlock
-                             : slots.first / kTile;
-      const Index t_hi = (b + 1) * Traits::kTilesPerBlock - 1 < slots.last / kTile
-                             ? (b + 1) * Traits::kTilesPerBlock - 1
-                             : slots.last / kTile;
-      for (Index t = t_lo; t <= t_hi; ++t) fold_tile(block, p, ext, axis, qt, tile, s, t, sh, th);
+    for (Index b = sw.first_block; b <= sw.last_block; ++b) {
+      for (Index t = sw.first_tile(b); t <= sw.last_tile(b); ++t)
+        fold_tile(block, p, ext, sw.axis, qt, tile, s, t, sh, th);
       if (!split) merge_block(block, th);
     }
     if (split) {
@@ -291,7 +349,7 @@ struct ReadProgram {
     block.each([&](int t) {
       for (int e = t; e < kRows * kD; e += kThreads) {
         const Index r = e / kD, c = e % kD;
-        const RowPlace rp = place(p, qt, tile, r);
+        const RowPlace rp = row_place(p, qt, tile, r);
         Scalar x = Scalar(0);
         if (rp.valid && c < p.dk) x = p.q.row(s * p.group + rp.head, rp.position)[c];
         sh[Traits::kQ + r * Traits::kQStride + c] = x;
@@ -308,20 +366,6 @@ struct ReadProgram {
         }
       }
     });
-  }
-
-  // The key row (or value row) behind slot x of the axis, or nullptr for an empty slot.
-  OVQ_HOST_DEVICE static const Scalar* slot_row(const Params& p, const ReadExtent& ext,
-                                                const KeyAxisGeometry& axis, Index s, Index x,
-                                                bool values) {
-    if (x < axis.pad || x >= axis.end()) return nullptr;
-    if (x < axis.local_begin()) {
-      Index r = x - axis.pad;
-      if (p.ring > 0) r = (ext.ring_start + r) % p.ring;
-      return values ? p.memory_values.row(s, r) : p.memory_keys.row(s, r);
-    }
-    const Index j = x - axis.local_begin();
-    return values ? p.local_values.row(s, j) : p.local_keys.row(s, j);
   }
 
   // Folds key tile t (slots [t kTile, (t + 1) kTile)) into every row's current block.
@@ -348,7 +392,7 @@ struct ReadProgram {
       for (int i = 0; i < kRPT; ++i) {
         const int r = rg * kRPT + i;
         const Scalar* q = sh + Traits::kQ + r * Traits::kQStride;
-        const RowPlace rp = place(p, qt, tile, r);
+        const RowPlace rp = row_place(p, qt, tile, r);
         const Index pos = ext.query_offset + rp.position;
         const Index lo = rp.valid ? axis.first(pos) : 1;
         const Index hi = rp.valid ? axis.last(pos) : 0;  // inclusive
@@ -490,21 +534,16 @@ struct ReadProgram {
       const int kg = tid % kGroups, rg = tid / kGroups;
       OVQ_UNROLL
       for (int i = 0; i < kRPT; ++i) {
-        const RowPlace rp = place(p, qt, tile, rg * kRPT + i);
+        const RowPlace rp = row_place(p, qt, tile, rg * kRPT + i);
         if (!rp.valid) continue;
         Scalar* out = p.o.row(s * p.group + rp.head, rp.position);
         OVQ_UNROLL
         for (int c = 0; c < kCPT; ++c) {
           const Index col = kg + kGroups * c;
-          if (col < p.dv) out[col] = clamp_finite(me.tot[i][c]);
+          if (col < p.dv) out[col] = output_entry<Scalar>(me.tot[i][c]);
         }
       }
     });
-  }
-
-  OVQ_HOST_DEVICE static Scalar clamp_finite(Scalar x) {
-    const Scalar kMax = largest_finite();
-    return x < -kMax ? -kMax : (x > kMax ? kMax : x);
   }
 
   // Split mode: this block's state (empty if it had no merge block to fold).
@@ -531,22 +570,21 @@ struct ReadProgram {
 
 // Split mode's merge: block (tile, state); thread t handles stacked row t / 16 and columns
 // t % 16 + 16 c, merging the splits' partial states in increasing block order.
-template <class Scalar, int kD, int kRows>
+template <class Scalar, int kD, int kRows, class Stored = Scalar>
 struct MergeProgram {
-  using Params = ReadParams<Scalar>;
+  using Params = ReadParams<Scalar, Stored>;
   static constexpr int kThreads = kRows * 16;
   static std::size_t shared_bytes(const Params&) { return 0; }
 
   template <class Block>
   OVQ_HOST_DEVICE static void run(Block& block, const Params& p, BlockIndex index) {
     if (p.only_if_pending >= 0 && p.counters->pending != p.only_if_pending) return;
-    using Read = ReadProgram<Scalar, kD, kRows>;
     const Index s = index.y, tile = index.x;
     const QueryTiling qt = QueryTiling::make(p.group, p.n_queries, kRows);
     block.each([&](int tid) {
       const Index r = tid / 16;
       const int kg = tid % 16;
-      const auto rp = Read::place(p, qt, tile, r);
+      const RowPlace rp = row_place(p, qt, tile, r);
       if (!rp.valid) return;
       Scalar o[kD / 16];
       OVQ_UNROLL
@@ -563,11 +601,11 @@ struct MergeProgram {
         for (int c = 0; c < kD / 16; ++c) o[c] = merge_entry<true>(w, o[c], part[kg + 16 * c]);
         st = w.stats;
       }
-      Scalar* out = p.o.row(s * p.group + rp.head, rp.position);
+      Stored* out = p.o.row(s * p.group + rp.head, rp.position);
       OVQ_UNROLL
       for (int c = 0; c < kD / 16; ++c) {
         const Index col = kg + 16 * c;
-        if (col < p.dv) out[col] = Read::clamp_finite(o[c]);
+        if (col < p.dv) out[col] = output_entry<Stored>(o[c]);
       }
     });
   }

@@ -13,6 +13,7 @@
 #include "ovq/config.hpp"
 #include "ovq/cuda/block.hpp"
 #include "ovq/cuda/counters.hpp"
+#include "ovq/cuda/kernels/half.hpp"
 #include "ovq/cuda/views.hpp"
 
 namespace ovq::cuda::kernels {

@@ -1,0 +1,416 @@
+#pragma once
+// The fused read on tensor cores, for 16-bit queries, keys and values (bf16 or fp16): the read
+// contract (kernels/read_contract.hpp) FlashAttention-2 style, as ReadProgram (read.hpp) runs it
+// in float, with both products on mma.sync (kernels/mma.hpp) and the softmax in float.
+//
+//   TensorReadProgram<Bits, kD, kRows>   one tile of kRows stacked query rows (64 prefill, 32
+//                                        at width 256; 16 decode), one warp per 16 rows (two
+//                                        at width 256, each with half the keys of S and half
+//                                        the columns of O); key tiles of 64 slots;
+//                                        merge blocks of kBlockKeys positions folded from
+//                                        scratch and merged in order, in the block (loop mode)
+//                                        or by MergeProgram from a workspace (split mode,
+//                                        grid.z > 1), as ReadProgram.
+//
+// Per key tile: K and V into shared memory; S = Q K^T on tensor cores (kD / 16 steps of 8
+// column tiles of 8 keys, split among the row's warps), times beta, saturated, masked; the row
+// maxima through shared memory;
+// P = exp(S - m) rounded to 16 bits (row sums add the rounded weights, so l is the sum of the
+// weights the product uses); O += P V on tensor cores (64 / 16 steps of kD / 8 column tiles),
+// O unnormalised in registers, rescaled when a row's maximum moves. A finished merge block's
+// average O / l is merged into the block's running result in shared memory (loop mode) or
+// written with (m, l) as a partial (split mode).
+//
+// Shapes: Q (kRows x kD), K and V (64 x kD) and P (kRows x 64) as 16-bit rows padded by 8
+// elements (the 8 rows of a fragment load fall in different banks), then float: two reduction
+// arrays (kRows x 4 per warp of a row) and, in loop mode, the running result (kRows x kD). At
+// kD = 128, kRows = 64: 62 KiB; kD = 256, kRows = 32: 120 KiB. Registers per lane: O (64
+// floats) and S (32 floats, 16 at width 256).
+// Cost: 4 rows (visible slots, tile-granular) kD flops on tensor cores, O(rows slots) in float.
+//
+// Determinism: an entry of a tensor-core product depends on its row of A and column of B only,
+// and every other operation is per row in a fixed order (a lane's entries of a row, then the
+// lanes of the row in order), so a row's result does not depend on the tile it was read in:
+// prefill (64 rows) and decode (16 rows) tiles give the same bits, on a GPU and in the
+// emulation. The emulation's products sum in order and the tensor cores in theirs, so the two
+// agree to rounding (kernels/mma.hpp).
+#include <cfloat>
+#include <cstdint>
+#include <cstring>
+
+#include "ovq/config.hpp"
+#include "ovq/core/exact_math.hpp"
+#include "ovq/core/online_softmax.hpp"
+#include "ovq/cuda/block.hpp"
+#include "ovq/cuda/kernels/half.hpp"
+#include "ovq/cuda/kernels/mma.hpp"
+#include "ovq/cuda/kernels/read.hpp"
+
+namespace ovq::cuda::kernels {
+
+template <class Bits, int kD, int kRows>
+struct TensorReadTraits {
+  static_assert(kD % 16 == 0 && kRows % 16 == 0, "tiles of 16 x 16");
+  // Warps per 16 rows: at width 256 two, so that O (kD / 2 floats a lane) fits the registers.
+  static constexpr int kColGroups = kD > 128 ? 2 : 1;
+  static constexpr int kWarps = kRows / 16 * kColGroups;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kKeyTile = 64;
+  static constexpr int kWarpKeys = kKeyTile / kColGroups;  // keys of S per warp
+  static constexpr int kWarpCols = kD / kColGroups;        // columns of O per warp
+  static constexpr int kScoreTiles = kWarpKeys / 8;        // column tiles of S per warp
+  static constexpr int kOutTiles = kWarpCols / 8;          // column tiles of O per warp
+  static constexpr int kPartials = 4 * kColGroups;         // lanes of a row, per reduction
+  // Shared memory: 16-bit elements first, then floats (at a 16-byte boundary).
+  static constexpr int kStride = kD + 8;
+  static constexpr int kPStride = kKeyTile + 8;
+  static constexpr int kQ = 0;
+  static constexpr int kK = kQ + kRows * kStride;
+  static constexpr int kV = kK + kKeyTile * kStride;
+  static constexpr int kP = kV + kKeyTile * kStride;
+  static constexpr int kHalves = (kP + kRows * kPStride + 7) / 8 * 8;
+  static constexpr int kRedMax = 0;  // in floats, after the halves
+  static constexpr int kRedSum = kRedMax + kRows * kPartials;
+  static constexpr int kTot = kRedSum + kRows * kPartials;
+  static constexpr int kFloatsSplit = kTot;
+  static constexpr int kFloatsLoop = kTot + kRows * kD;
+};
+
+template <class Bits, int kD, int kRows>
+struct TensorReadProgram {
+  using Traits = TensorReadTraits<Bits, kD, kRows>;
+  using Params = ReadParams<float, Bits>;
+  static constexpr int kThreads = Traits::kThreads;
+  static constexpr int kTile = Traits::kKeyTile;
+  static constexpr int kS = Traits::kScoreTiles;
+  static constexpr int kO = Traits::kOutTiles;
+  static constexpr int kCG = Traits::kColGroups;
+  static constexpr int kParts = Traits::kPartials;
+
+  static std::size_t shared_bytes(const Params& p) {
+    return static_cast<std::size_t>(Traits::kHalves) * sizeof(Bits) +
+           static_cast<std::size_t>(p.splits > 1 ? Traits::kFloatsSplit : Traits::kFloatsLoop) *
+               sizeof(float);
+  }
+
+  // One lane: rows g and g + 8 of its warp's 16 (g = lane / 4), in the C-fragment layout, for
+  // the warp's keys of S and columns of O.
+  struct Thread {
+    float o[kO][4];  // unnormalised sums of the current merge block
+    float s[kS][4];  // this tile's scores, then weights
+    SoftmaxStats<float> st[2], st_tot[2];
+    float m_new[2];
+  };
+
+  struct Shared {
+    Bits* halves;
+    float* floats;
+  };
+
+  // A thread's warp: its 16 rows (from row_base) and its column group (of S's keys and O's
+  // columns); the stacked row (of the tile) of fragment entry i, its column within an 8-wide
+  // tile, and the slot of its partial in a row's reductions.
+  OVQ_HOST_DEVICE static int row_base(int tid) { return (tid / 32) / kCG * 16; }
+  OVQ_HOST_DEVICE static int col_group(int tid) { return (tid / 32) % kCG; }
+  OVQ_HOST_DEVICE static int entry_row(int tid, int i) {
+    return row_base(tid) + ((tid % 32) >> 2) + (i >= 2 ? 8 : 0);
+  }
+  OVQ_HOST_DEVICE static int entry_col(int tid, int i) { return 2 * ((tid % 32) & 3) + (i & 1); }
+  OVQ_HOST_DEVICE static int out_col(int tid, int n, int i) {
+    return col_group(tid) * Traits::kWarpCols + 8 * n + entry_col(tid, i);
+  }
+  OVQ_HOST_DEVICE static int partial_slot(int tid) { return col_group(tid) * 4 + (tid & 3); }
+
+  template <class Block>
+  OVQ_HOST_DEVICE static void run(Block& block, const Params& p, BlockIndex index) {
+    if (p.only_if_pending >= 0 && p.counters->pending != p.only_if_pending) return;
+    Shared sh;
+    sh.halves = static_cast<Bits*>(block.shared());
+    sh.floats = reinterpret_cast<float*>(sh.halves + Traits::kHalves);
+    const Index s = index.y;
+    const Index tile = index.x;
+    const ReadExtent ext = p.extent();
+    const QueryTiling qt = QueryTiling::make(p.group, p.n_queries, kRows);
+    const bool split = p.splits > 1;
+    const TileSweep sw = tile_sweep(p, ext, qt, tile, kRows, kTile, index.z);
+
+    typename Block::template PerThread<Thread> th;
+    load_queries(block, p, qt, tile, s, split, sh, th);
+    for (Index b = sw.first_block; b <= sw.last_block; ++b) {
+      for (Index t = sw.first_tile(b); t <= sw.last_tile(b); ++t)
+        fold_tile(block, p, ext, sw.axis, qt, tile, s, t, sh, th);
+      if (!split) merge_block(block, sh, th);
+    }
+    if (split) {
+      write_partial(block, p, tile, s, index.z, th);
+    } else {
+      store(block, p, qt, tile, s, sh, th);
+    }
+  }
+
+  // Entries [c, c + 8) of a row of d entries into shared memory at dst (16-byte aligned):
+  // zeros past d, or for no row; one 16-byte load where the row allows.
+  OVQ_HOST_DEVICE static void load_piece(Bits* dst, const Bits* row, Index c, Index d,
+                                         bool aligned) {
+    if (row != nullptr && aligned && c + 8 <= d) {
+#if defined(OVQ_DEVICE_PASS)
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(row + c);
+#else
+      std::memcpy(dst, row + c, 8 * sizeof(Bits));
+#endif
+      return;
+    }
+    OVQ_UNROLL
+    for (int i = 0; i < 8; ++i) dst[i] = row != nullptr && c + i < d ? row[c + i] : Bits{0};
+  }
+
+  // Q rows into shared memory (zeros past dk and for invalid rows); accumulators empty; in loop
+  // mode each lane's entries of the running result to 0.
+  template <class Block, class Th>
+  OVQ_HOST_DEVICE static void load_queries(Block& block, const Params& p, const QueryTiling& qt,
+                                           Index tile, Index s, bool split, const Shared& sh,
+                                           Th& th) {
+    block.each([&](int t) {
+      for (int e = t; e < kRows * kD / 8; e += kThreads) {
+        const Index r = e / (kD / 8), c = 8 * (e % (kD / 8));
+        const RowPlace rp = row_place(p, qt, tile, r);
+        load_piece(sh.halves + Traits::kQ + r * Traits::kStride + c,
+                   rp.valid ? p.q.row(s * p.group + rp.head, rp.position) : nullptr, c, p.dk,
+                   p.aligned_rows);
+      }
+      Thread& me = th[t];
+      OVQ_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        me.st[h] = SoftmaxStats<float>{};
+        me.st_tot[h] = SoftmaxStats<float>{};
+      }
+      OVQ_UNROLL
+      for (int n = 0; n < kO; ++n)
+        OVQ_UNROLL
+        for (int i = 0; i < 4; ++i) {
+          me.o[n][i] = 0.0f;
+          if (!split) sh.floats[Traits::kTot + entry_row(t, i) * kD + out_col(t, n, i)] = 0.0f;
+        }
+    });
+  }
+
+  // Folds key tile t (slots [t kTile, (t + 1) kTile)) into every row's current block.
+  template <class Block, class Th>
+  OVQ_HOST_DEVICE static void fold_tile(Block& block, const Params& p, const ReadExtent& ext,
+                                        const KeyAxisGeometry& axis, const QueryTiling& qt,
+                                        Index tile, Index s, Index t, const Shared& sh, Th& th) {
+    const Index x0 = t * kTile;
+    // 1. The tile's keys and values into shared memory (zeros for empty slots and past d).
+    block.each([&](int tid) {
+      for (int e = tid; e < kTile * kD / 8; e += kThreads) {
+        const Index j = e / (kD / 8), c = 8 * (e % (kD / 8));
+        load_piece(sh.halves + Traits::kK + j * Traits::kStride + c,
+                   slot_row(p, ext, axis, s, x0 + j, false), c, p.dk, p.aligned_rows);
+        load_piece(sh.halves + Traits::kV + j * Traits::kStride + c,
+                   slot_row(p, ext, axis, s, x0 + j, true), c, p.dv, p.aligned_rows);
+      }
+    });
+    // 2. S = Q K^T; beta, bias, saturation, mask; each lane's maximum of its two rows.
+    block.each([&](int tid) {
+      Thread& me = th[tid];
+      const int lane = tid % 32, r0 = row_base(tid), key0 = col_group(tid) * Traits::kWarpKeys;
+      const Bits* q = sh.halves + Traits::kQ + r0 * Traits::kStride;
+      OVQ_UNROLL
+      for (int n = 0; n < kS; ++n) {
+        OVQ_UNROLL
+        for (int i = 0; i < 4; ++i) me.s[n][i] = 0.0f;
+        const Bits* k = sh.halves + Traits::kK + (key0 + 8 * n) * Traits::kStride;
+        OVQ_UNROLL
+        for (int f = 0; f < kD; f += 16)
+          mma<Bits>(
+              lane, [&](int l) { return mma_load_a(q + f, Traits::kStride, l); },
+              [&](int l) { return mma_load_b_transposed(k + f, Traits::kStride, l); }, me.s[n]);
+      }
+      OVQ_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        const int r = entry_row(tid, 2 * h);
+        const RowPlace rp = row_place(p, qt, tile, r);
+        const Index pos = ext.query_offset + rp.position;
+        const Index lo = rp.valid ? axis.first(pos) : 1;
+        const Index hi = rp.valid ? axis.last(pos) : 0;  // inclusive
+        float largest = -INFINITY;
+        OVQ_UNROLL
+        for (int n = 0; n < kS; ++n)
+          OVQ_UNROLL
+          for (int e = 0; e < 2; ++e) {
+            const Index slot = x0 + key0 + 8 * n + entry_col(tid, e);
+            float x = ovq::detail::mul_rn(me.s[n][2 * h + e], p.beta);
+            if (p.bias.data != nullptr && slot >= axis.memory_begin() &&
+                slot < axis.local_begin()) {
+              const float b = p.bias.row(s, slot - axis.pad)[0];
+              x = x + (p.count_bias || !(b >= 0.0f) ? b : 0.0f);
+            }
+            x = saturate(x);
+            if (slot < lo || slot > hi) x = -INFINITY;
+            me.s[n][2 * h + e] = x;
+            if (x > largest) largest = x;
+          }
+        sh.floats[Traits::kRedMax + r * kParts + partial_slot(tid)] = largest;
+      }
+    });
+    // 3. The row maxima; P = exp(S - m) rounded to 16 bits into shared memory; each lane's sum
+    //    of its rounded weights per row.
+    block.each([&](int tid) {
+      Thread& me = th[tid];
+      const int key0 = col_group(tid) * Traits::kWarpKeys;
+      OVQ_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        const int r = entry_row(tid, 2 * h);
+        float tile_max = -INFINITY;
+        for (int u = 0; u < kParts; ++u) {
+          const float x = sh.floats[Traits::kRedMax + r * kParts + u];
+          if (x > tile_max) tile_max = x;
+        }
+        const float m_new = me.st[h].m > tile_max ? me.st[h].m : tile_max;
+        me.m_new[h] = m_new;
+        float sum = 0.0f;
+        OVQ_UNROLL
+        for (int n = 0; n < kS; ++n)
+          OVQ_UNROLL
+          for (int e = 0; e < 2; ++e) {
+            const float w = m_new == -INFINITY
+                                ? 0.0f
+                                : ovq::detail::exp_nonpositive(me.s[n][2 * h + e] - m_new);
+            const Bits rounded = narrow<Bits>(w);
+            sh.halves[Traits::kP + r * Traits::kPStride + key0 + 8 * n + entry_col(tid, e)] =
+                rounded;
+            sum = sum + widen(rounded);
+          }
+        sh.floats[Traits::kRedSum + r * kParts + partial_slot(tid)] = sum;
+      }
+    });
+    // 4. The row sums; the online-softmax update (O rescaled); O += P V.
+    block.each([&](int tid) {
+      Thread& me = th[tid];
+      const int lane = tid % 32, r0 = row_base(tid);
+      OVQ_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        const int r = entry_row(tid, 2 * h);
+        const float m_new = me.m_new[h];
+        if (m_new == -INFINITY) continue;
+        float sum = 0.0f;
+        for (int u = 0; u < kParts; ++u) sum = sum + sh.floats[Traits::kRedSum + r * kParts + u];
+        SoftmaxStats<float>& st = me.st[h];
+        if (st.m != m_new) {
+          const float alpha =
+              st.m == -INFINITY ? 0.0f : ovq::detail::exp_nonpositive(st.m - m_new);
+          st.l = ovq::detail::mul_rn(st.l, alpha);
+          // alpha = 0: the old rows vanish next to the new maximum (assigned, not multiplied,
+          // so that a sum that rounded to inf leaves no 0 * inf).
+          OVQ_UNROLL
+          for (int n = 0; n < kO; ++n)
+            OVQ_UNROLL
+            for (int e = 0; e < 2; ++e)
+              me.o[n][2 * h + e] =
+                  alpha == 0.0f ? 0.0f : ovq::detail::mul_rn(me.o[n][2 * h + e], alpha);
+          st.m = m_new;
+        }
+        st.l = st.l + sum;
+      }
+      const Bits* pw = sh.halves + Traits::kP + r0 * Traits::kPStride;
+      OVQ_UNROLL
+      for (int n = 0; n < kO; ++n) {
+        const Bits* v = sh.halves + Traits::kV + col_group(tid) * Traits::kWarpCols + 8 * n;
+        OVQ_UNROLL
+        for (int j = 0; j < kTile; j += 16)
+          mma<Bits>(
+              lane, [&](int l) { return mma_load_a(pw + j, Traits::kPStride, l); },
+              [&](int l) { return mma_load_b(v + j * Traits::kStride, Traits::kStride, l); },
+              me.o[n]);
+      }
+    });
+  }
+
+  // A logit saturated to float's finite range (NaN: -max), as ReadProgram's.
+  OVQ_HOST_DEVICE static float saturate(float x) {
+    if (!(x >= -FLT_MAX)) return -FLT_MAX;
+    return x > FLT_MAX ? FLT_MAX : x;
+  }
+
+  // A lane's entry of row half h of the current block as an average (0 for a row that saw
+  // nothing).
+  OVQ_HOST_DEVICE static float average(const Thread& me, int n, int i) {
+    const SoftmaxStats<float>& st = me.st[i >= 2 ? 1 : 0];
+    return st.l > 0.0f ? me.o[n][i] / st.l : 0.0f;
+  }
+
+  // Loop mode: the finished merge block into the running result; the next block starts empty.
+  template <class Block, class Th>
+  OVQ_HOST_DEVICE static void merge_block(Block& block, const Shared& sh, Th& th) {
+    block.each([&](int tid) {
+      Thread& me = th[tid];
+      OVQ_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        const MergeWeights<float> w = merge_weights<ExactExp>(me.st_tot[h], me.st[h]);
+        OVQ_UNROLL
+        for (int n = 0; n < kO; ++n)
+          OVQ_UNROLL
+          for (int e = 0; e < 2; ++e) {
+            const int i = 2 * h + e;
+            float& tot = sh.floats[Traits::kTot + entry_row(tid, i) * kD + out_col(tid, n, i)];
+            tot = merge_entry<true>(w, tot, average(me, n, i));
+          }
+        me.st_tot[h] = w.stats;
+      }
+      OVQ_UNROLL
+      for (int h = 0; h < 2; ++h) me.st[h] = SoftmaxStats<float>{};
+      OVQ_UNROLL
+      for (int n = 0; n < kO; ++n)
+        OVQ_UNROLL
+        for (int i = 0; i < 4; ++i) me.o[n][i] = 0.0f;
+    });
+  }
+
+  // The outputs: the running result (0 where no key was visible), clamped and rounded.
+  template <class Block, class Th>
+  OVQ_HOST_DEVICE static void store(Block& block, const Params& p, const QueryTiling& qt,
+                                    Index tile, Index s, const Shared& sh, Th&) {
+    block.each([&](int tid) {
+      OVQ_UNROLL
+      for (int i = 0; i < 4; i += 2) {
+        const int r = entry_row(tid, i);
+        const RowPlace rp = row_place(p, qt, tile, r);
+        if (!rp.valid) continue;
+        Bits* out = p.o.row(s * p.group + rp.head, rp.position);
+        OVQ_UNROLL
+        for (int n = 0; n < kO; ++n)
+          OVQ_UNROLL
+          for (int e = 0; e < 2; ++e) {
+            const Index col = out_col(tid, n, e);
+            if (col < p.dv)
+              out[col] = output_entry<Bits>(sh.floats[Traits::kTot + r * kD + col]);
+          }
+      }
+    });
+  }
+
+  // Split mode: this block's state, in MergeProgram's layout (kD averages, m, l per row).
+  template <class Block, class Th>
+  OVQ_HOST_DEVICE static void write_partial(Block& block, const Params& p, Index tile, Index s,
+                                            Index z, Th& th) {
+    block.each([&](int tid) {
+      Thread& me = th[tid];
+      OVQ_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        const Index r = entry_row(tid, 2 * h);
+        float* out = p.partials + (((s * p.tiles + tile) * p.splits + z) * kRows + r) * (kD + 2);
+        OVQ_UNROLL
+        for (int n = 0; n < kO; ++n)
+          OVQ_UNROLL
+          for (int e = 0; e < 2; ++e)
+            out[out_col(tid, n, e)] = average(me, n, 2 * h + e);
+        if (partial_slot(tid) == 0) {
+          out[kD] = me.st[h].m;
+          out[kD + 1] = me.st[h].l;
+        }
+      }
+    });
+  }
+};
+
+}  // namespace ovq::cuda::kernels
