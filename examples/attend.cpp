@@ -749,10 +749,11 @@ RowMatrix<typename Mixer::scalar_type> drive(ovq::MultiHead<Mixer>& layer, const
   if (cfg.cuda) {
     using Options = std::decay_t<decltype(layer.mixer().options())>;
     if constexpr (!ovq::is_supported_scalar_v<Scalar> &&
-                  !std::is_same_v<Options, ovq::SelfAttentionOptions>) {
-      throw InputError(std::string("--device cuda: the CUDA linear, VQ and OVQ mixers run on "
+                  !std::is_same_v<Options, ovq::SelfAttentionOptions> &&
+                  !std::is_same_v<Options, ovq::OvqOptions>) {
+      throw InputError(std::string("--device cuda: the CUDA linear and VQ mixers run on "
                                    "float32 and float64, not ") + ovq::element_name<Scalar>() +
-                       " (self-attention also runs on float16 and bfloat16)");
+                       " (self- and OVQ-attention also run on float16 and bfloat16)");
     } else {
     attend_cuda::Problem<Scalar> p;
     p.hq = d.hq;

@@ -128,5 +128,9 @@ template RowMatrix<float> run(const ovq::OvqOptions&, std::vector<ovq::OvqState<
                               const Problem<float>&);
 template RowMatrix<double> run(const ovq::OvqOptions&, std::vector<ovq::OvqState<double>>&,
                                const Problem<double>&);
+template RowMatrix<ovq::bf16> run(const ovq::OvqOptions&, std::vector<ovq::OvqState<ovq::bf16>>&,
+                                  const Problem<ovq::bf16>&);
+template RowMatrix<ovq::fp16> run(const ovq::OvqOptions&, std::vector<ovq::OvqState<ovq::fp16>>&,
+                                  const Problem<ovq::fp16>&);
 
 }  // namespace attend_cuda

@@ -620,10 +620,13 @@ elif r.returncode == 1:
     ok(len(lines) == 1 and lines[0].startswith("attend: --device cuda: no CUDA device"),
        "--device cuda without a GPU: stderr %r" % r.stderr)
     ok(not os.path.exists(probe_out), "--device cuda without a GPU: output written")
-    # 16-bit runs: self-attention goes on to look for the GPU, the other mixers are refused first.
-    r = run(["self", *base, "--storage", "bf16", "--device", "cuda", "--out", probe_out])
-    ok(r.returncode == 1 and "no CUDA device" in r.stderr,
-       "--device cuda --storage bf16 (self) without a GPU: exit %d, stderr %r" % (r.returncode, r.stderr))
+    # 16-bit runs: self- and OVQ-attention go on to look for the GPU, linear and VQ are refused
+    # first.
+    for mixer in ("self", "ovq"):
+        r = run([mixer, *base, "--storage", "bf16", "--device", "cuda", "--out", probe_out])
+        ok(r.returncode == 1 and "no CUDA device" in r.stderr,
+           "--device cuda --storage bf16 (%s) without a GPU: exit %d, stderr %r"
+           % (mixer, r.returncode, r.stderr))
     r = run(["linear", *base, "--storage", "bf16", "--device", "cuda", "--out", probe_out])
     ok(r.returncode == 1 and "run on float32 and float64, not bfloat16" in r.stderr,
        "--device cuda --storage bf16 (linear): exit %d, stderr %r" % (r.returncode, r.stderr))
@@ -667,6 +670,15 @@ else:
                 O = attend("self", Qh, Kh, Vh, "--beta", 0.5, "--chunk", 8, *args, "--device",
                            "cuda", *way, what=what)
                 close(O, per_head(Qr, Kr, Vr, lambda q, k, v, g: ref_self(q, k, v, 0.5)), kind, what)
+                # OVQ with a dictionary that holds every key: self-attention over the 16-bit keys.
+                Ku = unit_rows(K)
+                Kuh = Ku.astype(np.float16) if kind == np.float16 else Ku
+                Kur = Kuh if kind == np.float16 else to_bf16(Ku)
+                what = "ovq cuda %s %s %s" % (kind if kind == "bf16" else "float16", lname, way)
+                O = attend("ovq", Qh, Kuh, Vh, "--growth", "linear", "--capacity", Q.shape[-2],
+                           "--chunk", 8, "--beta", 2.0, *args, "--device", "cuda", *way, what=what)
+                close(O, per_head(Qr, Kur, Vr, lambda q, k, v, g: ref_self(q, k, v, 2.0)), kind,
+                      what)
 
 # Zero tokens is a valid (empty) sequence.
 for mixer in ("self", "linear", "ovq"):

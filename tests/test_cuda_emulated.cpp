@@ -274,6 +274,14 @@ struct Stream3 {
 template <class S>
 Stream3<S> make_stream(Index heads, Index group, Index t, Index dk, Index dv, std::uint64_t seed,
                        bool unit_keys = false) {
+  if constexpr (is_half_v<S>) {
+    // The float stream rounded (unit keys: normalised, then rounded).
+    const Stream3<float> f = make_stream<float>(heads, group, t, dk, dv, seed, unit_keys);
+    const auto round = [](const RowMatrix<float>& m) -> RowMatrix<S> {
+      return m.unaryExpr([](float x) { return narrow<S>(x); });
+    };
+    return {heads, group, t, dk, dv, round(f.q), round(f.k), round(f.v)};
+  }
   Stream3<S> s{heads, group, t, dk, dv, random_rows<S>(heads * group * t, dk, seed),
                random_rows<S>(heads * t, dk, seed + 1), random_rows<S>(heads * t, dv, seed + 2)};
   if constexpr (!is_half_v<S>) {
@@ -918,6 +926,121 @@ TEMPLATE_TEST_CASE("cuda 16-bit self-attention (emulated): captured steps == hos
                        ovq::test::MessageHas({"not finite"}));
   CHECK(state.tokens() == 0);
   CHECK(state.to_host(nullptr)[0] == KvCache<H>(dk, dv));
+}
+
+// The CPU's 16-bit OVQ state after the same stream: the float running means, the counts, and
+// the 16-bit read rows rounded from the means, bit for bit (the same assignments: both sides
+// score the widened keys against the float means with one FMA chain per score). With the delta
+// rule the predictions are 16-bit reads, equal only to rounding on the two sides: then the
+// counts and keys exactly, the values to the reads' rounding.
+template <class H>
+void check_ovq_half_state(const OvqState<H>& got, const OvqState<H>& want, bool delta) {
+  CHECK(got.absorbed() == want.absorbed());
+  CHECK(got.dictionary().size() == want.dictionary().size());
+  if (!delta) {
+    CHECK(got == want);
+    return;
+  }
+  const Dictionary<H>& d = got.dictionary();
+  for (Index r = 0; r < d.size(); ++r) CHECK(d.count(r) == want.dictionary().count(r));
+  CHECK(as_eigen(d.mean_keys()) == as_eigen(want.dictionary().mean_keys()));
+  CHECK(relative_error(as_eigen(d.mean_values()), as_eigen(want.dictionary().mean_values())) <
+        mixer_bound<H>());
+}
+
+TEMPLATE_TEST_CASE("cuda 16-bit OVQ-attention (emulated) == the CPU's 16-bit mixer: outputs, "
+                   "and float means and 16-bit rows bit for bit, any cut of the stream",
+                   "[cuda][half][mixers][ovq]", bf16, fp16) {
+  using H = TestType;
+  struct Case {
+    OvqOptions opt;
+    Index dk, dv, group;
+  };
+  const auto with = [](OvqOptions o, Index capacity, Index chunk) {
+    o.beta = 2.0;
+    o.capacity = capacity;
+    o.chunk = chunk;
+    return o;
+  };
+  OvqOptions random = with(OvqOptions{}, 40, 8);
+  random.growth = Growth::dirichlet(5.0);
+  random.seeding = Seeding::random(9);
+  random.renormalize = true;
+  OvqOptions constant = with(OvqOptions{}, 30, 12);
+  constant.growth = Growth::linear(0.5);
+  constant.rate = UpdateRate::constant(0.3);
+  OvqOptions spread_delta = with(OvqOptions{}, 30, 4);
+  spread_delta.rate = UpdateRate::constant(0.3);
+  spread_delta.value_update = ValueUpdate::delta;
+  OvqOptions kvm_delta_no_bias = with(OvqOptions::kvm_delta(), 40, 8);
+  kvm_delta_no_bias.count_bias = false;
+  for (const Case& c : {Case{with(OvqOptions{}, 48, 16), 32, 16, 2},
+                        Case{random, 20, 12, 1},
+                        Case{constant, 64, 64, 4},
+                        Case{with(OvqOptions::kvm(), 48, 16), 32, 32, 2},
+                        Case{with(OvqOptions::kvm_delta(), 48, 16), 32, 16, 2},
+                        Case{kvm_delta_no_bias, 24, 24, 1},
+                        Case{spread_delta, 16, 16, 2}}) {
+    const Index heads = 2;
+    const bool delta = c.opt.value_update == ValueUpdate::delta;
+    const Stream3<H> in = make_stream<H>(heads, c.group, 130, c.dk, c.dv, 11, true);
+    MultiHead<OvqAttention<H, arch::scalar>> cpu(OvqAttention<H, arch::scalar>(c.opt), 1,
+                                                  heads * c.group, heads, c.dk, c.dv);
+    const RowMatrix<H> expected = cpu.forward(in.q, in.k, in.v);
+    const cuda::BasicOvqAttention<H, Emulator> mixer(c.opt);
+    RowMatrix<H> first;
+    for (const auto& cut : kCuts) {
+      const auto got = run_device(mixer, mixer.make_state(heads, c.dk, c.dv), in, cut);
+      INFO("capacity " << c.opt.capacity << " chunk " << c.opt.chunk << " dk " << c.dk
+                       << " delta " << delta << " pieces " << cut.size());
+      CHECK(relative_error(as_double(got.o), as_double(expected)) < mixer_bound<H>());
+      for (Index h = 0; h < heads; ++h) check_ovq_half_state(got.states[h], cpu.state(0, h), delta);
+      if (first.size() == 0) first = got.o;
+      CHECK(same_bits(got.o, first));
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("cuda 16-bit OVQ-attention (emulated): captured steps == host-planned steps; "
+                   "a state through the host continues as on the device",
+                   "[cuda][half][capture][ovq]", bf16, fp16) {
+  using H = TestType;
+  const Index dk = 32, dv = 16, t = 45, heads = 2, group = 2;
+  OvqOptions opt = OvqOptions::kvm_delta();
+  opt.capacity = 24;
+  opt.chunk = 8;
+  const Stream3<H> in = make_stream<H>(heads, group, t, dk, dv, 37, true);
+  const cuda::BasicOvqAttention<H, Emulator> mixer(opt);
+  cuda::EmulatedStream capture{true};
+  const auto planned =
+      run_device(mixer, mixer.make_state(heads, dk, dv), in, std::vector<Index>(t, 1));
+  auto reserved = mixer.make_state(heads, dk, dv);
+  mixer.reserve(reserved, heads * group);
+  const auto captured =
+      run_device(mixer, std::move(reserved), in, std::vector<Index>(t, 1), &capture);
+  CHECK(same_bits(planned.o, captured.o));
+  CHECK(planned.states[1] == captured.states[1]);
+
+  // 29 tokens (3 chunks and 5 pending rows), the state to the host and back, then the rest.
+  const Index half = 29;
+  const auto rows = [&](const RowMatrix<H>& m, Index m_heads, Index from, Index count) {
+    RowMatrix<H> out(m_heads * count, m.cols());
+    for (Index h = 0; h < m_heads; ++h)
+      out.middleRows(h * count, count) = m.middleRows(h * t + from, count);
+    return out;
+  };
+  const Stream3<H> a{heads, group, half, dk, dv, rows(in.q, heads * group, 0, half),
+                     rows(in.k, heads, 0, half), rows(in.v, heads, 0, half)};
+  const Stream3<H> b{heads, group, t - half, dk, dv, rows(in.q, heads * group, half, t - half),
+                     rows(in.k, heads, half, t - half), rows(in.v, heads, half, t - half)};
+  const auto before = run_device(mixer, mixer.make_state(heads, dk, dv), a, {});
+  CHECK(before.states[0].pending() == 5);
+  auto resumed = mixer.make_state(heads, dk, dv);
+  resumed.from_host(before.states, nullptr);
+  CHECK(resumed.to_host(nullptr)[1] == before.states[1]);
+  const auto after = run_device(mixer, std::move(resumed), b, {});
+  CHECK(same_bits(rows(planned.o, heads * group, half, t - half), after.o));
+  CHECK(planned.states[0] == after.states[0]);
 }
 
 }  // namespace

@@ -14,8 +14,11 @@
 //   self_decode_bf16     the same over a bf16 cache (2 GiB)
 //   ovq_prefill_f32      OVQ prefill T = 32768, N = 2048, L = 128, d = 128, H = 32, against
 //                        self-attention prefill over the same T
-//   ovq_decode_graph     one OVQ decode step at capacity (N = 2048, d = 128, H = 32) replayed
+//   ovq_prefill_bf16     the same in bf16 (16-bit dictionary reads on tensor cores), against
+//                        bf16 self-attention prefill
+//   ovq_decode_graph_f32 one OVQ decode step at capacity (N = 2048, d = 128, H = 32) replayed
 //                        from a CUDA graph
+//   ovq_decode_graph_bf16  the same over a bf16 dictionary
 // --quick divides the lengths by 4 (a smoke run). Output: one table on stdout, and JSON lines.
 #include <cublas_v2.h>
 
@@ -245,56 +248,59 @@ int main(int argc, char** argv) {
   self_decode("self_decode_f32 ctx=128k H=32 d=128", float{});
   self_decode("self_decode_bf16 ctx=128k H=32 d=128", bf16{});
 
-  // ---- OVQ prefill against self-attention at the same T ----
-  {
+  // ---- OVQ prefill against self-attention at the same T (element type of `tag`) ----
+  auto ovq_prefill = [&](const char* name, auto tag) {
+    using E = decltype(tag);
     const Index t = 32768 / scale;
     OvqOptions opt;
     opt.capacity = 2048;
     opt.chunk = 128;
     opt.beta = 8.0;
-    const cuda::OvqAttention<float> mixer(opt);
-    float* q = device_random<float>(std::size_t(h * t * d), 31);
-    float* k = device_random<float>(std::size_t(h * t * d), 32);
-    float* v = device_random<float>(std::size_t(h * t * d), 33);
-    float* o = nullptr;
-    cudaMalloc(&o, sizeof(float) * h * t * d);
+    const cuda::OvqAttention<E> mixer(opt);
+    E* q = device_random<E>(std::size_t(h * t * d), 31);
+    E* k = device_random<E>(std::size_t(h * t * d), 32);
+    E* v = device_random<E>(std::size_t(h * t * d), 33);
+    E* o = nullptr;
+    cudaMalloc(&o, sizeof(E) * h * t * d);
     const double ms = time_ms(stream, 1, [&] {
       auto state = mixer.make_state(h, d, d, stream);
-      mixer.forward(state, heads<const float>(q, h, t, d), heads<const float>(k, h, t, d),
-                    heads<const float>(v, h, t, d), heads(o, h, t, d), stream);
+      mixer.forward(state, heads<const E>(q, h, t, d), heads<const E>(k, h, t, d),
+                    heads<const E>(v, h, t, d), heads(o, h, t, d), stream);
     });
     cudaFree(q);
     cudaFree(k);
     cudaFree(v);
     cudaFree(o);
     double self_t_ms = 0;
-    self_prefill(t, &self_t_ms, float{});
-    rows.push_back({"ovq_prefill_f32 T=32768 N=2048 L=128 H=32", "x faster than self", "self",
-                    ms, self_t_ms / ms, self_t_ms / ms / 4.0});
-  }
+    self_prefill(t, &self_t_ms, E{});
+    rows.push_back({name, "x faster than self", "self", ms, self_t_ms / ms, self_t_ms / ms / 4.0});
+  };
+  ovq_prefill("ovq_prefill_f32 T=32768 N=2048 L=128 H=32", float{});
+  ovq_prefill("ovq_prefill_bf16 T=32768 N=2048 L=128 H=32", bf16{});
 
-  // ---- OVQ decode step at capacity, replayed from a CUDA graph ----
-  {
+  // ---- OVQ decode step at capacity, replayed from a CUDA graph (element type of `tag`) ----
+  auto ovq_decode = [&](const char* name, auto tag) {
+    using E = decltype(tag);
     OvqOptions opt;
     opt.capacity = 2048;
     opt.chunk = 128;
     opt.beta = 8.0;
-    const cuda::OvqAttention<float> mixer(opt);
+    const cuda::OvqAttention<E> mixer(opt);
     auto state = mixer.make_state(h, d, d, stream);
     const Index fill = 65536 / scale;
-    float* k = device_random<float>(std::size_t(h * 4096 * d), 41);
-    float* v = device_random<float>(std::size_t(h * 4096 * d), 42);
+    E* k = device_random<E>(std::size_t(h * 4096 * d), 41);
+    E* v = device_random<E>(std::size_t(h * 4096 * d), 42);
     for (Index filled = 0; filled < fill; filled += 4096)
-      mixer.absorb(state, heads<const float>(k, h, 4096, d), heads<const float>(v, h, 4096, d), stream);
+      mixer.absorb(state, heads<const E>(k, h, 4096, d), heads<const E>(v, h, 4096, d), stream);
     mixer.reserve(state, h, stream);
-    float* q1 = device_random<float>(std::size_t(h * d), 43);
-    float* o1 = nullptr;
-    cudaMalloc(&o1, sizeof(float) * h * d);
+    E* q1 = device_random<E>(std::size_t(h * d), 43);
+    E* o1 = nullptr;
+    cudaMalloc(&o1, sizeof(E) * h * d);
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "capture");
-    mixer.step(state, heads<const float>(q1, h, 1, d), heads<const float>(k, h, 1, d),
-               heads<const float>(v, h, 1, d), heads(o1, h, 1, d), stream);
+    mixer.step(state, heads<const E>(q1, h, 1, d), heads<const E>(k, h, 1, d),
+               heads<const E>(v, h, 1, d), heads(o1, h, 1, d), stream);
     check(cudaStreamEndCapture(stream, &graph), "capture");
     check(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
     const int replays = 256;  // two chunks' writes among them
@@ -302,14 +308,16 @@ int main(int argc, char** argv) {
       for (int r = 0; r < replays; ++r) cudaGraphLaunch(exec, stream);
     });
     const double us = ms * 1000.0 / replays;
-    rows.push_back({"ovq_decode_graph N=2048 H=32 d=128", "us per step", "20 us", ms, us, 20.0 / us});
+    rows.push_back({name, "us per step", "20 us", ms, us, 20.0 / us});
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
     cudaFree(k);
     cudaFree(v);
     cudaFree(q1);
     cudaFree(o1);
-  }
+  };
+  ovq_decode("ovq_decode_graph_f32 N=2048 H=32 d=128", float{});
+  ovq_decode("ovq_decode_graph_bf16 N=2048 H=32 d=128", bf16{});
 
   std::printf("GPU: %s, %d SMs%s\n\n", prop.name, prop.multiProcessorCount, quick ? " (quick)" : "");
   std::printf("| case | time (ms) | value | unit | of ceiling |\n|---|---|---|---|---|\n");

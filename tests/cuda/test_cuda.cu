@@ -96,8 +96,9 @@ void check_against_emulation(const typename Mixer<S, Device>::Options& options, 
 }
 
 template <class H>
-Inputs<H> half_inputs(Index heads, Index group, Index t, Index dk, Index dv, std::uint64_t seed) {
-  const Inputs<float> f = inputs<float>(heads, group, t, dk, dv, seed, false);
+Inputs<H> half_inputs(Index heads, Index group, Index t, Index dk, Index dv, std::uint64_t seed,
+                      bool unit_keys = false) {
+  const Inputs<float> f = inputs<float>(heads, group, t, dk, dv, seed, unit_keys);
   const auto narrowed = [](const RowMatrix<float>& m) {
     return RowMatrix<H>(m.unaryExpr([](float x) { return narrow<H>(x); }));
   };
@@ -167,6 +168,25 @@ TEMPLATE_TEST_CASE("GPU OVQ-attention == its emulation and the CPU mixer", "[gpu
   for (const auto& cut : kCuts)
     check_against_emulation<cuda::BasicOvqAttention, S>(opt, make, in, cut, expected,
                                                         std::is_same_v<S, float> ? 1e-5 : 1e-11);
+}
+
+TEMPLATE_TEST_CASE("GPU 16-bit OVQ-attention == its emulation (the dictionary bit for bit) and "
+                   "the CPU's 16-bit mixer",
+                   "[gpu][ovq][half]", bf16, fp16) {
+  using H = TestType;
+  OvqOptions opt;
+  opt.capacity = 256;
+  opt.chunk = 64;
+  opt.beta = 4.0;
+  const Inputs<H> in = half_inputs<H>(2, 2, 900, 128, 128, 5, true);
+  MultiHead<OvqAttention<H, arch::scalar>> cpu(OvqAttention<H, arch::scalar>(opt), 1, 4, 2, 128,
+                                                128);
+  const RowMatrix<H> expected = cpu.forward(in.q, in.k, in.v);
+  auto make = [](const auto& m, auto stream) { return m.make_state(2, 128, 128, stream); };
+  for (const auto& cut : kCuts)
+    check_against_emulation<cuda::BasicOvqAttention, H>(
+        opt, make, in, cut, expected, std::is_same_v<H, bf16> ? 1.5e-2 : 3e-3,
+        std::is_same_v<H, bf16> ? 5e-3 : 1e-3);
 }
 
 TEMPLATE_TEST_CASE("GPU VQ-attention == its emulation and the CPU mixer", "[gpu][vq]", float,

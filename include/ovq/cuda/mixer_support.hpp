@@ -67,6 +67,15 @@ bool aligned_rows(const kernels::HeadRows<Stored>& rows, Index d) {
          rows.row_stride % kPiece == 0 && d % kPiece == 0;
 }
 
+// Whether a read's queries and all its rows may be loaded 16 bytes at a time (rows it does not
+// have are null, which passes).
+template <class Scalar, class Stored>
+bool aligned_read_rows(const kernels::ReadParams<Scalar, Stored>& p) {
+  return aligned_rows(p.q, p.dk) && aligned_rows(p.memory_keys, p.dk) &&
+         aligned_rows(p.memory_values, p.dv) && aligned_rows(p.local_keys, p.dk) &&
+         aligned_rows(p.local_values, p.dv);
+}
+
 // A read's queries, outputs and shape: q (heads g, n, dk), o (heads g, n, dv); Scalar is the
 // arithmetic, Stored the rows' element.
 template <class Scalar, class Stored>

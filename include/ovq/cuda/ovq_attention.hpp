@@ -19,6 +19,7 @@
 
 #include "ovq/cuda/buffer.hpp"
 #include "ovq/cuda/checks.hpp"
+#include "ovq/cuda/elements.hpp"
 #include "ovq/cuda/kernels/assign.hpp"
 #include "ovq/cuda/kernels/dictionary_write.hpp"
 #include "ovq/cuda/kernels/launch.hpp"
@@ -37,14 +38,19 @@ namespace ovq::cuda {
 // The longest chunk of the CUDA dictionary writes (their grouping is quadratic in L).
 inline constexpr Index kMaxDeviceChunk = 4096;
 
-template <class Scalar, class Backend>
+template <class Element, class Backend>
 class OvqDeviceState : public StateBase<Backend> {
   using Base = StateBase<Backend>;
+  using Stored = device_element_t<Element>;  // what the kernels store
+  using Compute = compute_t<Element>;        // what they compute in
 
  public:
   using Stream = typename Backend::Stream;
-  using scalar_type = Scalar;
-  using HostState = OvqState<Scalar>;
+  using scalar_type = Element;
+  using HostState = OvqState<Element>;
+  // 16-bit elements: the running means are float rows of their own, and the reads stream their
+  // 16-bit rounding (as the CPU's Dictionary<bf16>); float and double: one set of rows.
+  static constexpr bool kSeparateMeans = is_half_v<Element>;
 
   OvqDeviceState(Index heads, Index capacity, Index chunk, Index dk, Index dv, Growth growth,
                  Stream stream)
@@ -58,12 +64,16 @@ class OvqDeviceState : public StateBase<Backend> {
     detail::check_widths(where, dk, dv);
     const auto rows = static_cast<std::size_t>(heads * capacity);
     const auto pending = static_cast<std::size_t>(heads * chunk);
-    keys_ = DeviceBuffer<Scalar, Backend>(rows * dk, stream);
-    values_ = DeviceBuffer<Scalar, Backend>(rows * dv, stream);
+    mean_keys_ = DeviceBuffer<Compute, Backend>(rows * dk, stream);
+    mean_values_ = DeviceBuffer<Compute, Backend>(rows * dv, stream);
+    if constexpr (kSeparateMeans) {
+      keys_ = DeviceBuffer<Stored, Backend>(rows * dk, stream);
+      values_ = DeviceBuffer<Stored, Backend>(rows * dv, stream);
+    }
     counts_ = DeviceBuffer<std::int64_t, Backend>(rows, stream);
-    log_counts_ = DeviceBuffer<Scalar, Backend>(rows, stream);
-    pending_keys_ = DeviceBuffer<Scalar, Backend>(pending * dk, stream);
-    pending_values_ = DeviceBuffer<Scalar, Backend>(pending * dv, stream);
+    log_counts_ = DeviceBuffer<Compute, Backend>(rows, stream);
+    pending_keys_ = DeviceBuffer<Stored, Backend>(pending * dk, stream);
+    pending_values_ = DeviceBuffer<Stored, Backend>(pending * dv, stream);
     plan_schedule(0, 0, stream);
   }
 
@@ -78,26 +88,35 @@ class OvqDeviceState : public StateBase<Backend> {
   Index size() const { return static_cast<Index>(this->counters().size); }
   Index pending() const { return static_cast<Index>(this->counters().pending); }
 
-  // heads x capacity rows (rows [0, size()) active); heads x chunk pending rows.
-  HeadsView<Scalar> keys() const { return contiguous_heads(keys_.data(), heads_, capacity_, dk_); }
-  HeadsView<Scalar> values() const {
-    return contiguous_heads(values_.data(), heads_, capacity_, dv_);
+  // heads x capacity rows (rows [0, size()) active) as the reads see them; heads x chunk
+  // pending rows.
+  HeadsView<Element> keys() const { return element_heads(read_keys(), dk_); }
+  HeadsView<Element> values() const { return element_heads(read_values(), dv_); }
+  // The running means (the same rows as keys() and values() for float and double).
+  HeadsView<Compute> mean_keys() const {
+    return contiguous_heads(mean_keys_.data(), heads_, capacity_, dk_);
   }
-  HeadsView<Scalar> pending_keys() const {
-    return contiguous_heads(pending_keys_.data(), heads_, chunk_, dk_);
+  HeadsView<Compute> mean_values() const {
+    return contiguous_heads(mean_values_.data(), heads_, capacity_, dv_);
   }
-  HeadsView<Scalar> pending_values() const {
-    return contiguous_heads(pending_values_.data(), heads_, chunk_, dv_);
+  HeadsView<Element> pending_keys() const {
+    return contiguous_heads(reinterpret_cast<Element*>(pending_keys_.data()), heads_, chunk_, dk_);
+  }
+  HeadsView<Element> pending_values() const {
+    return contiguous_heads(reinterpret_cast<Element*>(pending_values_.data()), heads_, chunk_,
+                            dv_);
   }
   std::int64_t* counts() const { return counts_.data(); }
-  Scalar* log_counts() const { return log_counts_.data(); }
+  Compute* log_counts() const { return log_counts_.data(); }
 
   // Payload bytes, as the CPU state counts them (full capacity and chunk, whatever is active).
   std::size_t bytes() const {
+    const auto width = static_cast<std::size_t>(dk_ + dv_);
     return static_cast<std::size_t>(heads_) *
            (static_cast<std::size_t>(capacity_) *
-                ((dk_ + dv_ + 1) * sizeof(Scalar) + sizeof(std::int64_t)) +
-            static_cast<std::size_t>(chunk_ * (dk_ + dv_)) * sizeof(Scalar));
+                (width * sizeof(Element) + (kSeparateMeans ? width * sizeof(Compute) : 0) +
+                 sizeof(Compute) + sizeof(std::int64_t)) +
+            static_cast<std::size_t>(chunk_) * width * sizeof(Element));
   }
 
   void reset(Stream stream) {
@@ -110,23 +129,24 @@ class OvqDeviceState : public StateBase<Backend> {
     this->synchronize(stream);
     const Index n = size(), p = pending();
     const auto rows = static_cast<std::size_t>(heads_ * capacity_);
-    std::vector<Scalar> k(rows * dk_), v(rows * dv_);
+    std::vector<Compute> k(rows * dk_), v(rows * dv_);
     std::vector<std::int64_t> cnt(rows);
-    std::vector<Scalar> pk(static_cast<std::size_t>(heads_ * chunk_ * dk_)),
+    std::vector<Element> pk(static_cast<std::size_t>(heads_ * chunk_ * dk_)),
         pv(static_cast<std::size_t>(heads_ * chunk_ * dv_));
-    Backend::copy(k.data(), keys_.data(), k.size() * sizeof(Scalar), stream);
-    Backend::copy(v.data(), values_.data(), v.size() * sizeof(Scalar), stream);
+    Backend::copy(k.data(), mean_keys_.data(), k.size() * sizeof(Compute), stream);
+    Backend::copy(v.data(), mean_values_.data(), v.size() * sizeof(Compute), stream);
     Backend::copy(cnt.data(), counts_.data(), cnt.size() * sizeof(std::int64_t), stream);
-    Backend::copy(pk.data(), pending_keys_.data(), pk.size() * sizeof(Scalar), stream);
-    Backend::copy(pv.data(), pending_values_.data(), pv.size() * sizeof(Scalar), stream);
+    Backend::copy(pk.data(), pending_keys_.data(), pk.size() * sizeof(Element), stream);
+    Backend::copy(pv.data(), pending_values_.data(), pv.size() * sizeof(Element), stream);
     Backend::synchronize(stream);
     std::vector<HostState> out;
     for (Index h = 0; h < heads_; ++h) {
       out.emplace_back(capacity_, chunk_, dk_, dv_);
-      Dictionary<Scalar>& d = out.back().dictionary();
+      Dictionary<Element>& d = out.back().dictionary();
+      // The means, and (16-bit) the read rows rounded from them: the rows the device holds.
       for (Index r = 0; r < n; ++r)
-        d.push(k.data() + (h * capacity_ + r) * dk_, v.data() + (h * capacity_ + r) * dv_,
-               cnt[static_cast<std::size_t>(h * capacity_ + r)]);
+        d.push_means(k.data() + (h * capacity_ + r) * dk_, v.data() + (h * capacity_ + r) * dv_,
+                     cnt[static_cast<std::size_t>(h * capacity_ + r)]);
       out.back().restore(absorbed(), {pk.data() + h * chunk_ * dk_, p, dk_, dk_},
                          {pv.data() + h * chunk_ * dv_, p, dv_, dv_});
     }
@@ -152,16 +172,22 @@ class OvqDeviceState : public StateBase<Backend> {
     }
     const Index n = states[0].dictionary().size(), p = states[0].pending();
     const auto rows = static_cast<std::size_t>(heads_ * capacity_);
-    std::vector<Scalar> k(rows * dk_, Scalar(0)), v(rows * dv_, Scalar(0)), logc(rows);
+    std::vector<Compute> mk(rows * dk_, Compute(0)), mv(rows * dv_, Compute(0)), logc(rows);
+    std::vector<Element> k(kSeparateMeans ? rows * dk_ : 0, Element(0)),
+        v(kSeparateMeans ? rows * dv_ : 0, Element(0));
     std::vector<std::int64_t> cnt(rows, 0);
-    std::vector<Scalar> pk(static_cast<std::size_t>(heads_ * chunk_ * dk_), Scalar(0)),
-        pv(static_cast<std::size_t>(heads_ * chunk_ * dv_), Scalar(0));
+    std::vector<Element> pk(static_cast<std::size_t>(heads_ * chunk_ * dk_), Element(0)),
+        pv(static_cast<std::size_t>(heads_ * chunk_ * dv_), Element(0));
     for (Index h = 0; h < heads_; ++h) {
       const HostState& st = states[static_cast<std::size_t>(h)];
-      const Dictionary<Scalar>& d = st.dictionary();
+      const Dictionary<Element>& d = st.dictionary();
       for (Index r = 0; r < n; ++r) {
-        std::copy_n(d.keys().row(r), dk_, k.data() + (h * capacity_ + r) * dk_);
-        std::copy_n(d.values().row(r), dv_, v.data() + (h * capacity_ + r) * dv_);
+        std::copy_n(d.mean_keys().row(r), dk_, mk.data() + (h * capacity_ + r) * dk_);
+        std::copy_n(d.mean_values().row(r), dv_, mv.data() + (h * capacity_ + r) * dv_);
+        if constexpr (kSeparateMeans) {
+          std::copy_n(d.keys().row(r), dk_, k.data() + (h * capacity_ + r) * dk_);
+          std::copy_n(d.values().row(r), dv_, v.data() + (h * capacity_ + r) * dv_);
+        }
         cnt[static_cast<std::size_t>(h * capacity_ + r)] = d.count(r);
       }
       for (Index r = 0; r < capacity_; ++r)
@@ -171,12 +197,16 @@ class OvqDeviceState : public StateBase<Backend> {
         std::copy_n(st.pending_values().row(i), dv_, pv.data() + (h * chunk_ + i) * dv_);
       }
     }
-    Backend::copy(keys_.data(), k.data(), k.size() * sizeof(Scalar), stream);
-    Backend::copy(values_.data(), v.data(), v.size() * sizeof(Scalar), stream);
+    Backend::copy(mean_keys_.data(), mk.data(), mk.size() * sizeof(Compute), stream);
+    Backend::copy(mean_values_.data(), mv.data(), mv.size() * sizeof(Compute), stream);
+    if constexpr (kSeparateMeans) {
+      Backend::copy(keys_.data(), k.data(), k.size() * sizeof(Element), stream);
+      Backend::copy(values_.data(), v.data(), v.size() * sizeof(Element), stream);
+    }
     Backend::copy(counts_.data(), cnt.data(), cnt.size() * sizeof(std::int64_t), stream);
-    Backend::copy(log_counts_.data(), logc.data(), logc.size() * sizeof(Scalar), stream);
-    Backend::copy(pending_keys_.data(), pk.data(), pk.size() * sizeof(Scalar), stream);
-    Backend::copy(pending_values_.data(), pv.data(), pv.size() * sizeof(Scalar), stream);
+    Backend::copy(log_counts_.data(), logc.data(), logc.size() * sizeof(Compute), stream);
+    Backend::copy(pending_keys_.data(), pk.data(), pk.size() * sizeof(Element), stream);
+    Backend::copy(pending_values_.data(), pv.data(), pv.size() * sizeof(Element), stream);
     StateCounters c;
     c.absorbed = states[0].absorbed();
     c.tokens = states[0].tokens();
@@ -193,6 +223,17 @@ class OvqDeviceState : public StateBase<Backend> {
  private:
   template <class S, class B>
   friend class BasicOvqAttention;
+
+  // The rows the reads stream: the 16-bit rows, or the means themselves.
+  Stored* read_keys() const {
+    if constexpr (kSeparateMeans) return keys_.data(); else return mean_keys_.data();
+  }
+  Stored* read_values() const {
+    if constexpr (kSeparateMeans) return values_.data(); else return mean_values_.data();
+  }
+  HeadsView<Element> element_heads(Stored* rows, Index d) const {
+    return contiguous_heads(reinterpret_cast<Element*>(rows), heads_, capacity_, d);
+  }
 
   // The growth schedule from (t, n); the counters' next entry is its first.
   void plan_schedule(std::int64_t t, Index n, Stream stream) {
@@ -217,13 +258,18 @@ class OvqDeviceState : public StateBase<Backend> {
 
   Index heads_, capacity_, chunk_, dk_, dv_;
   Growth growth_;
-  DeviceBuffer<Scalar, Backend> keys_, values_, log_counts_, pending_keys_, pending_values_;
+  DeviceBuffer<Compute, Backend> mean_keys_, mean_values_, log_counts_;
+  DeviceBuffer<Stored, Backend> keys_, values_;  // 16-bit elements only
+  DeviceBuffer<Stored, Backend> pending_keys_, pending_values_;
   DeviceBuffer<std::int64_t, Backend> counts_, schedule_;
   std::vector<std::int64_t> schedule_host_;
 };
 
 template <class Scalar, class Backend>
 class BasicOvqAttention {
+  using Stored = device_element_t<Scalar>;  // what the kernels store
+  using Compute = compute_t<Scalar>;        // what they compute in
+
  public:
   using Options = OvqOptions;
   using State = OvqDeviceState<Scalar, Backend>;
@@ -280,7 +326,7 @@ class BasicOvqAttention {
  private:
   kernels::ReadPlan step_plan(const State& st, Index group, Index n, Index memory,
                               Index local) const {
-    return kernels::plan_read<Scalar>(st.heads(), group, n,
+    return kernels::plan_read<Stored>(st.heads(), group, n,
                                       std::max(st.key_dim(), st.value_dim()), memory + local);
   }
 
@@ -294,18 +340,18 @@ class BasicOvqAttention {
     const std::size_t read_scalars = plan.workspace_scalars;
     WriteWorkspace w;
     const auto rows = static_cast<std::size_t>(st.heads() * st.chunk());
-    w.nearest = w.layout.template add<Scalar>(rows);
+    w.nearest = w.layout.template add<Compute>(rows);
     w.assigned = w.layout.template add<Index>(rows);
     w.picked = w.layout.template add<unsigned char>(rows);
     w.order = w.layout.template add<Index>(rows);
     w.draws = w.layout.template add<Index>(rows);
     w.opened = w.layout.template add<std::int64_t>(2);
-    w.partials = w.layout.template add<Scalar>(read_scalars);
+    w.partials = w.layout.template add<Compute>(read_scalars);
     const bool delta = options_.value_update == ValueUpdate::delta;
     if (delta) w.prediction = step_plan(st, 1, st.chunk(), st.capacity(), 0);
-    w.yhat = w.layout.template add<Scalar>(delta ? rows * static_cast<std::size_t>(st.value_dim())
+    w.yhat = w.layout.template add<Stored>(delta ? rows * static_cast<std::size_t>(st.value_dim())
                                                  : 0);
-    w.prediction_partials = w.layout.template add<Scalar>(w.prediction.workspace_scalars);
+    w.prediction_partials = w.layout.template add<Compute>(w.prediction.workspace_scalars);
     return w;
   }
 
@@ -318,16 +364,19 @@ class BasicOvqAttention {
     const Index n = k.rows;
     if (n == 0) return;
     const bool capturing = Backend::capturing(stream);
-    detail::launch_finite_check<Backend>(st.device_counters(), q, k, v, stream);
+    // Values first: a bad entry leaves the state as it was.
+    const ConstHeadsView<Stored> q_stored = q != nullptr ? stored(*q) : ConstHeadsView<Stored>{};
+    detail::launch_finite_check<Backend>(st.device_counters(), q != nullptr ? &q_stored : nullptr,
+                                         stored(k), stored(v), stream);
 
     StateCounters after = st.counters();
     const Index chunk = st.chunk();
     for (Index pos = 0; pos < n;) {
       const Index offset = static_cast<Index>(after.pending);
       const Index len = std::min(chunk - offset, n - pos);
-      detail::launch_push<Backend>(st.device_counters(), k.middle_rows(pos, len),
-                                   v.middle_rows(pos, len), st.pending_keys(),
-                                   st.pending_values(), chunk, stream);
+      detail::launch_push<Backend>(st.device_counters(), stored(k.middle_rows(pos, len)),
+                                   stored(v.middle_rows(pos, len)), stored(st.pending_keys()),
+                                   stored(st.pending_values()), chunk, stream);
       after.pending += len;
       after.tokens += len;
       // A captured step must work at any position: its read is planned for a full dictionary
@@ -340,7 +389,7 @@ class BasicOvqAttention {
       void* ws = st.template workspace<unsigned char>(w.layout.bytes(), stream, where);
       if (q != nullptr)
         read(st, q->middle_rows(pos, len), o->middle_rows(pos, len), plan,
-             detail::WorkspaceLayout::at<Scalar>(ws, w.partials), stream);
+             detail::WorkspaceLayout::at<Compute>(ws, w.partials), stream);
       if (after.pending == chunk || capturing) {
         write(st, w, ws, stream);
         if (after.pending == chunk) st.complete_on_host(after);
@@ -350,72 +399,83 @@ class BasicOvqAttention {
     st.end_call(after, stream);
   }
 
-  void read(State& st, ConstHeadsView<Scalar> q, HeadsView<Scalar> o, const kernels::ReadPlan& plan,
-            Scalar* partials, Stream stream) const {
-    kernels::ReadParams<Scalar> p = detail::read_params<Scalar>(
-        q, o, st.heads(), st.key_dim(), st.value_dim(), options_.beta, st.device_counters());
-    p.source = kernels::ReadSource::dictionary;
-    p.memory_keys = {st.keys_.data(), st.capacity() * st.key_dim(), st.key_dim()};
-    p.memory_values = {st.values_.data(), st.capacity() * st.value_dim(), st.value_dim()};
+  // The dictionary as a read's memory rows (bias log c), 16-bit rows loaded 16 bytes at a time
+  // where they allow it.
+  void set_dictionary(const State& st, kernels::ReadParams<Compute, Stored>& p) const {
+    p.memory_keys = {st.read_keys(), st.capacity() * st.key_dim(), st.key_dim()};
+    p.memory_values = {st.read_values(), st.capacity() * st.value_dim(), st.value_dim()};
     p.bias = {st.log_counts_.data(), st.capacity(), 1};
     p.count_bias = options_.count_bias;
+  }
+
+  void read(State& st, ConstHeadsView<Scalar> q, HeadsView<Scalar> o, const kernels::ReadPlan& plan,
+            Compute* partials, Stream stream) const {
+    kernels::ReadParams<Compute, Stored> p = detail::read_params<Compute>(
+        stored(q), stored(o), st.heads(), st.key_dim(), st.value_dim(), options_.beta,
+        st.device_counters());
+    p.source = kernels::ReadSource::dictionary;
+    set_dictionary(st, p);
     p.local_keys = {st.pending_keys_.data(), st.chunk() * st.key_dim(), st.key_dim()};
     p.local_values = {st.pending_values_.data(), st.chunk() * st.value_dim(), st.value_dim()};
+    p.aligned_rows = detail::aligned_read_rows(p);
     kernels::launch_read<Backend>(p, plan, partials, stream);
   }
 
   void write(State& st, const WriteWorkspace& w, void* ws, Stream stream) const {
     using detail::WorkspaceLayout;
     const int heads = static_cast<int>(st.heads());
-    Scalar* nearest = WorkspaceLayout::at<Scalar>(ws, w.nearest);
-    Scalar* yhat = WorkspaceLayout::at<Scalar>(ws, w.yhat);
+    Compute* nearest = WorkspaceLayout::at<Compute>(ws, w.nearest);
+    Stored* yhat = WorkspaceLayout::at<Stored>(ws, w.yhat);
     const bool delta = options_.value_update == ValueUpdate::delta;
+    const kernels::HeadRows<Stored> chunk_keys{st.pending_keys_.data(), st.chunk() * st.key_dim(),
+                                               st.key_dim()};
     if (delta) {
-      // The prediction of every chunk key by the dictionary before the chunk: a read with the
-      // pending keys as queries and no local rows, only once the chunk is complete.
+      // The prediction of every chunk key by the dictionary before the chunk (its read rows, as
+      // on the CPU): a read with the pending keys as queries and no local rows, only once the
+      // chunk is complete.
       const Index L = st.chunk(), dk = st.key_dim(), dv = st.value_dim();
-      const ConstHeadsView<Scalar> keys{st.pending_keys_.data(), st.heads(), L, dk, L * dk, dk};
-      const HeadsView<Scalar> out{yhat, st.heads(), L, dv, L * dv, dv};
-      kernels::ReadParams<Scalar> p = detail::read_params<Scalar>(
+      const ConstHeadsView<Stored> keys{st.pending_keys_.data(), st.heads(), L, dk, L * dk, dk};
+      const HeadsView<Stored> out{yhat, st.heads(), L, dv, L * dv, dv};
+      kernels::ReadParams<Compute, Stored> p = detail::read_params<Compute>(
           keys, out, st.heads(), st.key_dim(), st.value_dim(), options_.beta,
           st.device_counters());
       p.source = kernels::ReadSource::dictionary_rows;
       p.causal = false;
-      p.memory_keys = {st.keys_.data(), st.capacity() * st.key_dim(), st.key_dim()};
-      p.memory_values = {st.values_.data(), st.capacity() * st.value_dim(), st.value_dim()};
-      p.bias = {st.log_counts_.data(), st.capacity(), 1};
-      p.count_bias = options_.count_bias;
+      set_dictionary(st, p);
       p.only_if_pending = st.chunk();
+      p.aligned_rows = detail::aligned_read_rows(p);
       kernels::launch_read<Backend>(p, w.prediction,
-                                    WorkspaceLayout::at<Scalar>(ws, w.prediction_partials), stream);
+                                    WorkspaceLayout::at<Compute>(ws, w.prediction_partials),
+                                    stream);
     }
     Index* assigned = WorkspaceLayout::at<Index>(ws, w.assigned);
     std::int64_t* opened = WorkspaceLayout::at<std::int64_t>(ws, w.opened);
 
-    kernels::AssignParams<Scalar> a;
-    a.x = {st.pending_keys_.data(), st.chunk() * st.key_dim(), st.key_dim()};
+    // Assignment, seeding and the update work on the running means (16-bit chunk rows widened).
+    kernels::AssignParams<Compute, Stored> a;
+    a.x = chunk_keys;
     a.rows = st.chunk();
     a.d = st.key_dim();
-    a.centroids = {st.keys_.data(), st.capacity() * st.key_dim(), st.key_dim()};
+    a.centroids = {st.mean_keys_.data(), st.capacity() * st.key_dim(), st.key_dim()};
     a.counters = st.device_counters();
     a.complete_chunk = st.chunk();
     a.best = nearest;
     a.arg = assigned;
     kernels::dispatch_width(st.key_dim(), [&](auto width) {
-      using Assign = kernels::AssignProgram<Scalar, decltype(width)::value>;
+      using Assign = kernels::AssignProgram<Compute, decltype(width)::value, Stored>;
       Backend::template launch<Assign>(
           Grid{static_cast<int>((st.chunk() + Assign::kRows - 1) / Assign::kRows), heads, 1}, a,
           stream);
     });
 
-    kernels::DictionaryWriteParams<Scalar> d;
-    d.keys = a.x;
+    kernels::DictionaryWriteParams<Compute, Stored> d;
+    d.keys = chunk_keys;
     d.values = {st.pending_values_.data(), st.chunk() * st.value_dim(), st.value_dim()};
     d.chunk = st.chunk();
     d.dk = st.key_dim();
     d.dv = st.value_dim();
-    d.dict_keys = {st.keys_.data(), st.capacity() * st.key_dim(), st.key_dim()};
-    d.dict_values = {st.values_.data(), st.capacity() * st.value_dim(), st.value_dim()};
+    d.dict_keys = {st.mean_keys_.data(), st.capacity() * st.key_dim(), st.key_dim()};
+    d.dict_values = {st.mean_values_.data(), st.capacity() * st.value_dim(), st.value_dim()};
     d.counts = st.counts_.data();
     d.log_counts = st.log_counts_.data();
     d.capacity = st.capacity();
@@ -438,8 +498,24 @@ class BasicOvqAttention {
     d.order = WorkspaceLayout::at<Index>(ws, w.order);
     d.draws = WorkspaceLayout::at<Index>(ws, w.draws);
     d.opened = opened;
-    Backend::template launch<kernels::DictionaryWriteProgram<Scalar>>(Grid{1, heads, 1}, d,
-                                                                       stream);
+    Backend::template launch<kernels::DictionaryWriteProgram<Compute, Stored>>(Grid{1, heads, 1},
+                                                                                d, stream);
+    if constexpr (State::kSeparateMeans) {
+      kernels::RefreshRowsParams<Stored> r;
+      r.mean_keys = {st.mean_keys_.data(), st.capacity() * st.key_dim(), st.key_dim()};
+      r.mean_values = {st.mean_values_.data(), st.capacity() * st.value_dim(), st.value_dim()};
+      r.keys = {st.keys_.data(), st.capacity() * st.key_dim(), st.key_dim()};
+      r.values = {st.values_.data(), st.capacity() * st.value_dim(), st.value_dim()};
+      r.dk = st.key_dim();
+      r.dv = st.value_dim();
+      r.counters = st.device_counters();
+      r.chunk = st.chunk();
+      r.opened = opened;
+      using Refresh = kernels::RefreshRowsProgram<Stored>;
+      Backend::template launch<Refresh>(
+          Grid{static_cast<int>((st.capacity() + Refresh::kRows - 1) / Refresh::kRows), heads, 1},
+          r, stream);
+    }
 
     detail::launch_counters<Backend>(st.device_counters(), kernels::CounterOp::complete, 0,
                                      st.chunk(), opened, stream);

@@ -288,10 +288,7 @@ class BasicSelfAttention {
     p.ring = st.ring();
     p.local_keys = {stored(k).data, k.head_stride, k.row_stride};
     p.local_values = {stored(v).data, v.head_stride, v.row_stride};
-    p.aligned_rows = detail::aligned_rows(p.q, p.dk) && detail::aligned_rows(p.memory_keys, p.dk) &&
-                     detail::aligned_rows(p.memory_values, p.dv) &&
-                     detail::aligned_rows(p.local_keys, p.dk) &&
-                     detail::aligned_rows(p.local_values, p.dv);
+    p.aligned_rows = detail::aligned_read_rows(p);
     const kernels::ReadPlan plan = read_plan(st, p.group, p.n_queries, rows, capturing);
     Compute* ws = st.template workspace<Compute>(plan.workspace_scalars, stream, where);
     kernels::launch_read<Backend>(p, plan, ws, stream);

@@ -16,6 +16,8 @@
 // Thread t: rows (t / 16) 2 + i, centroids t % 16 + 16 j of each tile. 256 threads.
 // Shapes: x (states x L x d), C (states x capacity x d, rows [0, n) used), offset (states x
 // capacity) or none, best and arg (states x L). Cost: 2 L n kD flops.
+// Input: the element of x (16-bit bits are widened as they are staged: the scores are those of
+// the widened rows, as the CPU's 16-bit dictionaries assign against their float means).
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -23,13 +25,14 @@
 #include "ovq/config.hpp"
 #include "ovq/cuda/block.hpp"
 #include "ovq/cuda/counters.hpp"
+#include "ovq/cuda/kernels/half.hpp"
 #include "ovq/cuda/kernels/read.hpp"
 
 namespace ovq::cuda::kernels {
 
-template <class Scalar>
+template <class Scalar, class Input = Scalar>
 struct AssignParams {
-  HeadRows<Scalar> x;          // rows to assign
+  HeadRows<Input> x;           // rows to assign
   Index rows = 0;              // L
   Index d = 0;                 // <= kD
   HeadRows<Scalar> centroids;  // rows [0, n) of each state
@@ -60,9 +63,9 @@ struct ArgBest {
   }
 };
 
-template <class Scalar, int kD>
+template <class Scalar, int kD, class Input = Scalar>
 struct AssignProgram {
-  using Params = AssignParams<Scalar>;
+  using Params = AssignParams<Scalar, Input>;
   static constexpr int kThreads = 256;
   static constexpr int kRows = 32;
   static constexpr int kTile = 64;
@@ -104,7 +107,7 @@ struct AssignProgram {
       for (int e = t; e < kRows * kD; e += kThreads) {
         const Index r = e / kD, c = e % kD;
         Scalar v = Scalar(0);
-        if (i0 + r < p.rows && c < p.d) v = p.x.row(s, i0 + r)[c];
+        if (i0 + r < p.rows && c < p.d) v = compute_of(p.x.row(s, i0 + r)[c]);
         xs[r * kStride + c] = v;
       }
       Thread& me = th[t];

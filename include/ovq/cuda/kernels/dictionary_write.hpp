@@ -25,12 +25,17 @@
 // the same bits on every run and in the emulation. A score of a new centroid is the
 // assignment's FMA chain (AssignProgram), so a row's centroid does not depend on whether it was
 // opened in this chunk. Cost: 2 L m dk (seeding) + L^2 / 256 (group) + O(L (dk + dv)).
+//
+// Input: the chunk's element. With 16-bit chunks the dictionary rows written here are the
+// float running means (16-bit rows widened, as on the CPU), and RefreshRowsProgram then rounds
+// them into the 16-bit rows the reads stream (state/dictionary_rows.hpp).
 #include <cstdint>
 
 #include "ovq/config.hpp"
 #include "ovq/core/exact_math.hpp"
 #include "ovq/cuda/block.hpp"
 #include "ovq/cuda/counters.hpp"
+#include "ovq/cuda/kernels/half.hpp"
 #include "ovq/cuda/kernels/read.hpp"
 #include "ovq/kernels/seed.hpp"
 #include "ovq/kernels/update.hpp"
@@ -38,9 +43,9 @@
 
 namespace ovq::cuda::kernels {
 
-template <class Scalar>
+template <class Scalar, class Input = Scalar>
 struct DictionaryWriteParams {
-  HeadRows<Scalar> keys, values;  // the chunk: L rows of each state
+  HeadRows<Input> keys, values;  // the chunk: L rows of each state
   Index chunk = 0;                // L
   Index dk = 0, dv = 0;
   MutableHeadRows<Scalar> dict_keys, dict_values;  // capacity rows of each state
@@ -62,7 +67,7 @@ struct DictionaryWriteParams {
   // The delta rule: per state L rows of dv, the read of the dictionary before the chunk with
   // each chunk key as the query.
   bool delta = false;
-  const Scalar* yhat = nullptr;
+  const Input* yhat = nullptr;
   // Per state, L entries each: (nearest, assigned) from AssignProgram (VQ: the codes in
   // `assigned`), then scratch.
   Scalar* nearest = nullptr;
@@ -73,9 +78,9 @@ struct DictionaryWriteParams {
   std::int64_t* opened = nullptr;  // written by state 0: rows opened, schedule entries used
 };
 
-template <class Scalar>
+template <class Scalar, class Input = Scalar>
 struct DictionaryWriteProgram {
-  using Params = DictionaryWriteParams<Scalar>;
+  using Params = DictionaryWriteParams<Scalar, Input>;
   static constexpr int kThreads = 256;
   // Shared: the spread pick's partials (first unpicked row, best value, best row) per thread,
   // and the pick.
@@ -127,21 +132,23 @@ struct DictionaryWriteProgram {
     Index first_row = n0, seeds = m;
     if (p.lowest_similarity && n0 == 0 && m > 0) {
       block.each([&](int t) {
-        const Scalar* k = p.keys.row(s, 0);
-        const Scalar* v = p.values.row(s, 0);
-        for (Index col = t; col < p.dk; col += kThreads) dict.keys.row(0)[col] = k[col];
-        for (Index col = t; col < p.dv; col += kThreads) dict.values.row(0)[col] = v[col];
+        const Input* k = p.keys.row(s, 0);
+        const Input* v = p.values.row(s, 0);
+        for (Index col = t; col < p.dk; col += kThreads) dict.keys.row(0)[col] = compute_of(k[col]);
+        for (Index col = t; col < p.dv; col += kThreads)
+          dict.values.row(0)[col] = compute_of(v[col]);
         if (t == 0) {
           set_count(dict, 0, 0);
           picked[0] = 1;
         }
       });
       block.each([&](int t) {
-        const Scalar* seed_key = p.keys.row(s, 0);
+        const Input* seed_key = p.keys.row(s, 0);
         for (Index i = t; i < L; i += kThreads) {
-          const Scalar* k = p.keys.row(s, i);
+          const Input* k = p.keys.row(s, i);
           Scalar dot = Scalar(0);
-          for (Index col = 0; col < p.dk; ++col) dot = std::fma(k[col], seed_key[col], dot);
+          for (Index col = 0; col < p.dk; ++col)
+            dot = std::fma(compute_of(k[col]), compute_of(seed_key[col]), dot);
           nearest[i] = dot;
           assigned[i] = 0;
         }
@@ -198,10 +205,11 @@ struct DictionaryWriteProgram {
       // Open centroid r on the picked row, then fold its scores into every row (lowest
       // similarity: assign the picked row alone to it).
       block.each([&](int t) {
-        const Scalar* k = p.keys.row(s, pick[0]);
-        const Scalar* v = p.values.row(s, pick[0]);
-        for (Index col = t; col < p.dk; col += kThreads) dict.keys.row(r)[col] = k[col];
-        for (Index col = t; col < p.dv; col += kThreads) dict.values.row(r)[col] = v[col];
+        const Input* k = p.keys.row(s, pick[0]);
+        const Input* v = p.values.row(s, pick[0]);
+        for (Index col = t; col < p.dk; col += kThreads) dict.keys.row(r)[col] = compute_of(k[col]);
+        for (Index col = t; col < p.dv; col += kThreads)
+          dict.values.row(r)[col] = compute_of(v[col]);
         if (t == 0) {
           set_count(dict, r, 0);
           if (p.lowest_similarity) assigned[pick[0]] = r;
@@ -209,11 +217,12 @@ struct DictionaryWriteProgram {
       });
       if (p.lowest_similarity) continue;
       block.each([&](int t) {
-        const Scalar* seed_key = p.keys.row(s, pick[0]);
+        const Input* seed_key = p.keys.row(s, pick[0]);
         for (Index i = t; i < L; i += kThreads) {
-          const Scalar* k = p.keys.row(s, i);
+          const Input* k = p.keys.row(s, i);
           Scalar dot = Scalar(0);
-          for (Index col = 0; col < p.dk; ++col) dot = std::fma(k[col], seed_key[col], dot);
+          for (Index col = 0; col < p.dk; ++col)
+            dot = std::fma(compute_of(k[col]), compute_of(seed_key[col]), dot);
           if (dot > nearest[i] || assigned[i] < 0) {
             nearest[i] = dot;
             assigned[i] = r;
@@ -248,12 +257,13 @@ struct DictionaryWriteProgram {
         const bool residual = !key && p.delta && r < n0;
         double sum = 0.0;
         for (Index u = q; u < q_end; ++u) {
-          const Scalar* row = key ? p.keys.row(s, order[u]) : p.values.row(s, order[u]);
+          const Input* row = key ? p.keys.row(s, order[u]) : p.values.row(s, order[u]);
+          const double x = static_cast<double>(compute_of(row[cc]));
           if (residual) {
-            const Scalar* predicted = p.yhat + (s * L + order[u]) * p.dv;
-            sum = sum + (static_cast<double>(row[cc]) - static_cast<double>(predicted[cc]));
+            const Input* predicted = p.yhat + (s * L + order[u]) * p.dv;
+            sum = sum + (x - static_cast<double>(compute_of(predicted[cc])));
           } else {
-            sum = sum + static_cast<double>(row[cc]);
+            sum = sum + x;
           }
         }
         Scalar* target = key ? dict.keys.row(r) + cc : dict.values.row(r) + cc;
@@ -286,6 +296,51 @@ struct DictionaryWriteProgram {
         if (p.ovq && p.renormalize) ovq::kernels::renormalize_row(dict.keys.row(r), p.dk);
         if (p.ovq && p.renormalize_values)
           ovq::kernels::renormalize_row(dict.values.row(r), p.dv);
+      }
+    });
+  }
+};
+
+// The 16-bit rows the reads stream, rounded from the float running means after a chunk's
+// write (the CPU's Dictionary::publish): rows [0, n + m) of every state, where n is the size
+// before the chunk and m the rows it opened (the counters are advanced after this). Rows the
+// write did not touch round to the bits they hold already.
+// Block (x, s): rows [kRows x, kRows x + kRows) of state s, 256 threads over their entries.
+// Cost: (n + m) (dk + dv) conversions.
+template <class Bits>
+struct RefreshRowsParams {
+  HeadRows<float> mean_keys, mean_values;  // capacity rows of each state
+  MutableHeadRows<Bits> keys, values;
+  Index dk = 0, dv = 0;
+  const StateCounters* counters = nullptr;
+  Index chunk = 0;                       // runs only when pending == chunk, as the write
+  const std::int64_t* opened = nullptr;  // DictionaryWriteProgram's (rows opened, ...)
+};
+
+template <class Bits>
+struct RefreshRowsProgram {
+  using Params = RefreshRowsParams<Bits>;
+  static constexpr int kThreads = 256;
+  static constexpr int kRows = 16;
+  static std::size_t shared_bytes(const Params&) { return 0; }
+
+  template <class Block>
+  OVQ_HOST_DEVICE static void run(Block& block, const Params& p, BlockIndex index) {
+    const StateCounters& c = *p.counters;
+    if (c.fault != 0 || c.pending != p.chunk) return;
+    const Index s = index.y;
+    const Index rows = static_cast<Index>(c.size + p.opened[0]);
+    const Index r0 = static_cast<Index>(index.x) * kRows;
+    const Index width = p.dk + p.dv;
+    block.each([&](int t) {
+      for (Index e = t; e < kRows * width; e += kThreads) {
+        const Index r = r0 + e / width, col = e % width;
+        if (r >= rows) continue;
+        if (col < p.dk) {
+          p.keys.row(s, r)[col] = narrow<Bits>(p.mean_keys.row(s, r)[col]);
+        } else {
+          p.values.row(s, r)[col - p.dk] = narrow<Bits>(p.mean_values.row(s, r)[col - p.dk]);
+        }
       }
     });
   }

@@ -7,6 +7,7 @@
 //   widen(x)             exact (every bf16 and fp16 value is a float)
 //   narrow<Bits>(f)      to nearest, ties to even; NaN stays NaN, overflow goes to inf (the
 //                        kernels clamp outputs to largest_finite<Bits>() first)
+//   compute_of(x)        what a kernel computes with: widen(x) for 16-bit bits, else x
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -106,6 +107,14 @@ OVQ_HOST_DEVICE float largest_finite_of() {
     return 65504.0f;
   }
 }
+
+// An element as the kernels compute with it: 16-bit bits widened to float, others as they are.
+template <class Scalar>
+OVQ_HOST_DEVICE Scalar compute_of(Scalar x) {
+  return x;
+}
+OVQ_HOST_DEVICE inline float compute_of(Bf16Bits x) { return widen(x); }
+OVQ_HOST_DEVICE inline float compute_of(Fp16Bits x) { return widen(x); }
 
 OVQ_HOST_DEVICE inline bool finite_bits(Bf16Bits x) { return (x.bits & 0x7f80u) != 0x7f80u; }
 OVQ_HOST_DEVICE inline bool finite_bits(Fp16Bits x) { return (x.bits & 0x7c00u) != 0x7c00u; }
