@@ -82,9 +82,10 @@ inline std::vector<Index> random_seed_rows(std::uint64_t seed, std::int64_t chun
   return rows;
 }
 
-// Centroid r := (key, value) with count 0 (its running means: the same, widened).
+// Centroid r := (key, value) with count 0 (its running means: the same, widened). Host code
+// (Eigen's 16-bit widening is; the device write opens rows itself).
 template <class Element>
-OVQ_HOST_DEVICE void open_row(const DictionaryRows<Element>& d, Index r, const Element* key,
+void open_row(const DictionaryRows<Element>& d, Index r, const Element* key,
                               const Element* value) {
   Element* k = d.keys.row(r);
   Element* v = d.values.row(r);
