@@ -747,14 +747,6 @@ RowMatrix<typename Mixer::scalar_type> drive(ovq::MultiHead<Mixer>& layer, const
   }
 #if defined(OVQ_ATTEND_CUDA)
   if (cfg.cuda) {
-    using Options = std::decay_t<decltype(layer.mixer().options())>;
-    if constexpr (!ovq::is_supported_scalar_v<Scalar> &&
-                  !std::is_same_v<Options, ovq::SelfAttentionOptions> &&
-                  !std::is_same_v<Options, ovq::OvqOptions>) {
-      throw InputError(std::string("--device cuda: the CUDA linear and VQ mixers run on "
-                                   "float32 and float64, not ") + ovq::element_name<Scalar>() +
-                       " (self- and OVQ-attention also run on float16 and bfloat16)");
-    } else {
     attend_cuda::Problem<Scalar> p;
     p.hq = d.hq;
     p.hkv = d.hkv;
@@ -767,7 +759,6 @@ RowMatrix<typename Mixer::scalar_type> drive(ovq::MultiHead<Mixer>& layer, const
     p.lengths = lengths;
     p.steps = cfg.stream;
     return attend_cuda::run(layer.mixer().options(), layer.states(), p);
-    }
   }
 #endif
   RowMatrix<Scalar> qp, kp, vp, op;

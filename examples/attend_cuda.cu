@@ -120,10 +120,20 @@ template RowMatrix<float> run(const ovq::LinearAttentionOptions&,
                               std::vector<ovq::LinearState<float>>&, const Problem<float>&);
 template RowMatrix<double> run(const ovq::LinearAttentionOptions&,
                                std::vector<ovq::LinearState<double>>&, const Problem<double>&);
+template RowMatrix<ovq::bf16> run(const ovq::LinearAttentionOptions&,
+                                  std::vector<ovq::LinearState<ovq::bf16>>&,
+                                  const Problem<ovq::bf16>&);
+template RowMatrix<ovq::fp16> run(const ovq::LinearAttentionOptions&,
+                                  std::vector<ovq::LinearState<ovq::fp16>>&,
+                                  const Problem<ovq::fp16>&);
 template RowMatrix<float> run(const ovq::VqAttentionOptions&, std::vector<ovq::VqState<float>>&,
                               const Problem<float>&);
 template RowMatrix<double> run(const ovq::VqAttentionOptions&, std::vector<ovq::VqState<double>>&,
                                const Problem<double>&);
+template RowMatrix<ovq::bf16> run(const ovq::VqAttentionOptions&,
+                                  std::vector<ovq::VqState<ovq::bf16>>&, const Problem<ovq::bf16>&);
+template RowMatrix<ovq::fp16> run(const ovq::VqAttentionOptions&,
+                                  std::vector<ovq::VqState<ovq::fp16>>&, const Problem<ovq::fp16>&);
 template RowMatrix<float> run(const ovq::OvqOptions&, std::vector<ovq::OvqState<float>>&,
                               const Problem<float>&);
 template RowMatrix<double> run(const ovq::OvqOptions&, std::vector<ovq::OvqState<double>>&,

@@ -193,12 +193,15 @@ def layouts(dtype):
     return [("gqa Hq=4 Hkv=2 dk=8 dv=5", *gqa), ("1 head dk=6 dv=4", *one)]
 
 
-def vq_codebook(K, S, dtype, per_head_books):
-    """A codebook whose nearest codes are unambiguous for every key (margin well above rounding)."""
+def vq_codebook(K, S, dtype, per_head_books, rounding=None):
+    """A codebook whose nearest codes are unambiguous for every key (margin well above rounding);
+    rounding (optional) maps the drawn codebook to the one used, before its margin is measured."""
     K3 = heads3(np.asarray(K, np.float64))
     for _ in range(100):
         shape = (K3.shape[0], S, K3.shape[2]) if per_head_books else (S, K3.shape[2])
         C = randn(shape, dtype)
+        if rounding is not None:
+            C = rounding(C)
         C3 = C if C.ndim == 3 else np.broadcast_to(C, (K3.shape[0],) + C.shape)
         margin = np.inf
         for h in range(K3.shape[0]):
@@ -620,16 +623,14 @@ elif r.returncode == 1:
     ok(len(lines) == 1 and lines[0].startswith("attend: --device cuda: no CUDA device"),
        "--device cuda without a GPU: stderr %r" % r.stderr)
     ok(not os.path.exists(probe_out), "--device cuda without a GPU: output written")
-    # 16-bit runs: self- and OVQ-attention go on to look for the GPU, linear and VQ are refused
-    # first.
-    for mixer in ("self", "ovq"):
-        r = run([mixer, *base, "--storage", "bf16", "--device", "cuda", "--out", probe_out])
+    # 16-bit runs go on to look for the GPU too, for every mixer.
+    for mixer in ("self", "linear", "vq", "ovq"):
+        extra = ["--codebook", codebook] if mixer == "vq" else []
+        r = run([mixer, *base, *extra, "--storage", "bf16", "--device", "cuda", "--out",
+                 probe_out])
         ok(r.returncode == 1 and "no CUDA device" in r.stderr,
            "--device cuda --storage bf16 (%s) without a GPU: exit %d, stderr %r"
            % (mixer, r.returncode, r.stderr))
-    r = run(["linear", *base, "--storage", "bf16", "--device", "cuda", "--out", probe_out])
-    ok(r.returncode == 1 and "run on float32 and float64, not bfloat16" in r.stderr,
-       "--device cuda --storage bf16 (linear): exit %d, stderr %r" % (r.returncode, r.stderr))
 else:
     ok(r.returncode == 0, "--device cuda: exit %d, stderr %r" % (r.returncode, r.stderr))
     for dtype in (np.float32, np.float64):
@@ -658,7 +659,7 @@ else:
                 O = attend("ovq", Q, Ku, V, "--growth", "linear", "--capacity", Q.shape[-2],
                            "--chunk", 8, "--beta", 2.0, "--device", "cuda", *way, what=what)
                 close(O, per_head(Q, Ku, V, lambda q, k, v, g: ref_self(q, k, v, 2.0)), dtype, what)
-    # 16-bit self-attention on the tensor cores: float16 inputs, and bf16 storage.
+    # 16-bit runs of every mixer: float16 inputs, and bf16 storage.
     for lname, Q, K, V in layouts(np.float32):
         for kind in (np.float16, "bf16"):
             args = ["--storage", "bf16"] if kind == "bf16" else []
@@ -670,6 +671,21 @@ else:
                 O = attend("self", Qh, Kh, Vh, "--beta", 0.5, "--chunk", 8, *args, "--device",
                            "cuda", *way, what=what)
                 close(O, per_head(Qr, Kr, Vr, lambda q, k, v, g: ref_self(q, k, v, 0.5)), kind, what)
+                what = "linear cuda %s %s %s" % (kind if kind == "bf16" else "float16", lname, way)
+                O = attend("linear", Qh, Kh, Vh, "--beta", 0.3, "--chunk", 6, "--feature-map",
+                           "elu1", "--normalize", *args, "--device", "cuda", *way, what=what)
+                close(O, per_head(Qr, Kr, Vr,
+                                  lambda q, k, v, g: ref_linear(q, k, v, 0.3, "elu1", True)),
+                      kind, what)
+                Ch = vq_codebook(Kr, 7, np.float16 if kind == np.float16 else np.float32, False,
+                                 None if kind == np.float16 else to_bf16)
+                Cr = Ch
+                what = "vq cuda %s %s %s" % (kind if kind == "bf16" else "float16", lname, way)
+                O = attend("vq", Qh, Kh, Vh, "--codebook", save(Ch), "--beta", 0.7, "--chunk", 6,
+                           *args, "--device", "cuda", *way, what=what)
+                close(O, per_head(Qr, Kr, Vr,
+                                  lambda q, k, v, g: ref_vq(q, k, v, 0.7, np.asarray(Cr, np.float64))),
+                      kind, what)
                 # OVQ with a dictionary that holds every key: self-attention over the 16-bit keys.
                 Ku = unit_rows(K)
                 Kuh = Ku.astype(np.float16) if kind == np.float16 else Ku

@@ -1043,6 +1043,179 @@ TEMPLATE_TEST_CASE("cuda 16-bit OVQ-attention (emulated): captured steps == host
   CHECK(planned.states[0] == after.states[0]);
 }
 
+TEMPLATE_TEST_CASE("cuda 16-bit VQ-attention (emulated) == the CPU's 16-bit mixer: outputs, and "
+                   "codes, counts, float means and 16-bit rows bit for bit; captured steps too",
+                   "[cuda][half][mixers][vq]", bf16, fp16) {
+  using H = TestType;
+  struct Case {
+    Index chunk, codes, dk, dv, group;
+  };
+  for (const Case& c : {Case{16, 40, 24, 16, 2}, Case{8, 20, 64, 64, 4}, Case{4, 7, 20, 12, 1}}) {
+    VqAttentionOptions opt;
+    opt.beta = 0.5;
+    opt.chunk = c.chunk;
+    const Index heads = 2;
+    const RowMatrix<H> codebook = random_rows<H>(c.codes, c.dk, 21);
+    const Stream3<H> in = make_stream<H>(heads, c.group, 120, c.dk, c.dv, 23);
+    const VqAttention<H, arch::scalar> host(opt);
+    MultiHead<VqAttention<H, arch::scalar>> cpu(
+        host, 1, heads * c.group, std::vector<VqState<H>>(heads, host.make_state(codebook, c.dv)));
+    const RowMatrix<H> expected = cpu.forward(in.q, in.k, in.v);
+    const cuda::BasicVqAttention<H, Emulator> mixer(opt);
+    RowMatrix<H> first;
+    for (const auto& cut : kCuts) {
+      const auto got = run_device(mixer, mixer.make_state(heads, codebook, c.dv), in, cut);
+      INFO("chunk " << c.chunk << " dk " << c.dk << " pieces " << cut.size());
+      CHECK(relative_error(as_double(got.o), as_double(expected)) < mixer_bound<H>());
+      for (Index h = 0; h < heads; ++h) CHECK(got.states[h] == cpu.state(0, h));
+      if (first.size() == 0) first = got.o;
+      CHECK(same_bits(got.o, first));
+    }
+    cuda::EmulatedStream capture{true};
+    auto reserved = mixer.make_state(heads, codebook, c.dv);
+    mixer.reserve(reserved, heads * c.group);
+    const auto captured =
+        run_device(mixer, std::move(reserved), in, std::vector<Index>(in.t, 1), &capture);
+    CHECK(same_bits(captured.o, first));
+    CHECK(captured.states[1] == cpu.state(0, 1));
+  }
+}
+
+TEMPLATE_TEST_CASE("cuda 16-bit linear attention (emulated) == the CPU's 16-bit mixer, any cut "
+                   "of the stream; (S, z) in float",
+                   "[cuda][half][mixers][linear]", bf16, fp16) {
+  using H = TestType;
+  struct Case {
+    kernels::FeatureMap map;
+    bool normalize;
+    Index dk, dv, group;
+  };
+  // (The identity map's normaliser can cross 0: it is left to the float test.)
+  for (const Case& c : {Case{kernels::FeatureMap::identity, false, 20, 18, 2},
+                        Case{kernels::FeatureMap::elu1, true, 64, 64, 4},
+                        Case{kernels::FeatureMap::relu, false, 32, 16, 1},
+                        Case{kernels::FeatureMap::elu1, false, 16, 24, 2}}) {
+    LinearAttentionOptions opt;
+    opt.beta = 0.5;
+    opt.chunk = 16;
+    opt.feature_map = c.map;
+    opt.normalize = c.normalize;
+    opt.decay = 0.97;
+    const Index heads = 2;
+    const Stream3<H> in = make_stream<H>(heads, c.group, 120, c.dk, c.dv, 31);
+    MultiHead<LinearAttention<H>> cpu(LinearAttention<H>(opt), 1, heads * c.group, heads, c.dk,
+                                      c.dv);
+    const RowMatrix<H> expected = cpu.forward(in.q, in.k, in.v);
+    const cuda::BasicLinearAttention<H, Emulator> mixer(opt);
+    RowMatrix<H> first;
+    for (const auto& cut : kCuts) {
+      const auto got = run_device(mixer, mixer.make_state(heads, c.dk, c.dv), in, cut);
+      INFO("map " << int(c.map) << " normalize " << c.normalize << " pieces " << cut.size());
+      CHECK(relative_error(as_double(got.o), as_double(expected)) < mixer_bound<H>());
+      for (Index h = 0; h < heads; ++h) {
+        const LinearState<H>& want = cpu.state(0, h);
+        CHECK(got.states[h].absorbed() == want.absorbed());
+        CHECK(relative_error(got.states[h].kv(), want.kv()) < 1e-5);
+        CHECK(relative_error(got.states[h].k_sum(), want.k_sum()) < 1e-5);
+        CHECK(as_eigen(got.states[h].pending_keys()) == as_eigen(want.pending_keys()));
+      }
+      if (first.size() == 0) first = got.o;
+      CHECK(same_bits(got.o, first));
+    }
+  }
+}
+
+// The device mixer over the stream in forward pieces with the log-sum-exp asked for: the outputs
+// and the lse (heads g x T, as the CPU's rows).
+template <class Mixer, class S, class State>
+std::pair<RowMatrix<S>, RowMatrix<compute_t<S>>> run_device_lse(const Mixer& mixer, State state,
+                                                               const Stream3<S>& in,
+                                                               const std::vector<Index>& pieces) {
+  using C = compute_t<S>;
+  const Index hq = in.heads * in.group;
+  const Rows<S> q(in.q, hq, nullptr), k(in.k, in.heads, nullptr), v(in.v, in.heads, nullptr);
+  const Rows<S> o(hq, in.t, in.dv, nullptr);
+  const DeviceRows<C, Emulator> lse(hq, in.t, 1, nullptr);
+  Index pos = 0;
+  for (std::size_t i = 0; pos < in.t; ++i) {
+    const Index take = i < pieces.size() ? std::min(pieces[i], in.t - pos) : in.t - pos;
+    mixer.forward(state, q.view().middle_rows(pos, take), k.view().middle_rows(pos, take),
+                  v.view().middle_rows(pos, take), o.view().middle_rows(pos, take),
+                  lse.view().middle_rows(pos, take), nullptr);
+    pos += take;
+  }
+  return {o.download(nullptr), lse.download(nullptr)};
+}
+
+template <class S>
+double lse_error(const RowMatrix<compute_t<S>>& got, const RowVector<compute_t<S>>& want) {
+  const RowVector<compute_t<S>> flat =
+      Eigen::Map<const RowVector<compute_t<S>>>(got.data(), got.size());
+  return relative_error(flat, want);
+}
+
+TEMPLATE_TEST_CASE("cuda log-sum-exp output (emulated) == the CPU's: self, VQ and OVQ reads, "
+                   "prefill and decode tiles, any cut of the stream",
+                   "[cuda][mixers][lse]", float, bf16) {
+  using S = TestType;
+  using C = compute_t<S>;
+  const double bound = is_half_v<S> ? mixer_bound<S>() : tolerance<float>();
+  const Index heads = 2, group = 2, t = 100, dk = 32, dv = 16;
+  // The CPU layer's outputs and lse against the device mixer's, in forward pieces of each cut.
+  const auto check = [&](auto& cpu, const auto& mixer, auto make_state, const Stream3<S>& in) {
+    RowMatrix<S> o(in.q.rows(), dv);
+    RowVector<C> want(in.q.rows());
+    cpu.forward(in.q, in.k, in.v, o, want);
+    for (const auto& cut : std::vector<std::vector<Index>>{{}, {37, 1, 1, 1, 60}}) {
+      const auto got = run_device_lse(mixer, make_state(), in, cut);
+      CHECK(lse_error<S>(got.second, want) < bound);
+      CHECK(relative_error(as_double(got.first), as_double(o)) < bound);
+    }
+  };
+  {
+    SelfAttentionOptions opt;
+    opt.beta = 0.3;
+    opt.chunk = 32;
+    MultiHead<SelfAttention<S>> cpu(SelfAttention<S>(opt), 1, heads * group, heads, dk, dv);
+    const cuda::BasicSelfAttention<S, Emulator> mixer(opt);
+    check(cpu, mixer, [&] { return mixer.make_state(heads, dk, dv); },
+          make_stream<S>(heads, group, t, dk, dv, 91));
+  }
+  {
+    VqAttentionOptions opt;
+    opt.beta = 0.5;
+    opt.chunk = 16;
+    const RowMatrix<S> codebook = random_rows<S>(20, dk, 93);
+    const VqAttention<S, arch::scalar> host(opt);
+    MultiHead<VqAttention<S, arch::scalar>> cpu(
+        host, 1, heads * group, std::vector<VqState<S>>(heads, host.make_state(codebook, dv)));
+    const cuda::BasicVqAttention<S, Emulator> mixer(opt);
+    check(cpu, mixer, [&] { return mixer.make_state(heads, codebook, dv); },
+          make_stream<S>(heads, group, t, dk, dv, 95));
+  }
+  {
+    OvqOptions opt;
+    opt.beta = 2.0;
+    opt.capacity = 48;
+    opt.chunk = 16;
+    const Stream3<S> in = make_stream<S>(heads, group, t, dk, dv, 97, true);
+    MultiHead<OvqAttention<S, arch::scalar>> cpu(OvqAttention<S, arch::scalar>(opt), 1,
+                                                  heads * group, heads, dk, dv);
+    const cuda::BasicOvqAttention<S, Emulator> mixer(opt);
+    check(cpu, mixer, [&] { return mixer.make_state(heads, dk, dv); }, in);
+    // A lse view of the wrong shape is refused before anything runs.
+    auto state = mixer.make_state(heads, dk, dv);
+    const Rows<S> q(in.q, heads * group, nullptr), k(in.k, heads, nullptr),
+        v(in.v, heads, nullptr), out(heads * group, t, dv, nullptr);
+    const DeviceRows<C, Emulator> short_lse(heads * group, t - 1, 1, nullptr);
+    CHECK_THROWS_MATCHES(mixer.forward(state, q.view(), k.view(), v.view(), out.view(),
+                                       short_lse.view(), nullptr),
+                         ArgumentError,
+                         ovq::test::MessageHas({"lse has shape", "one entry per query"}));
+    CHECK(state.tokens() == 0);
+  }
+}
+
 }  // namespace
 
 }  // namespace ovq_test_cuda_emulated

@@ -34,8 +34,8 @@
 
 namespace ovq::cuda {
 
-// The four mixers on the GPU, for float and double; self-attention also for ovq::bf16 and
-// ovq::fp16 (16-bit queries, keys, values and cache, read on tensor cores).
+// The four mixers on the GPU, for float, double, ovq::bf16 and ovq::fp16 (16-bit queries, keys,
+// values and states; the softmax reads on tensor cores).
 template <class Scalar>
 using SelfAttention = BasicSelfAttention<Scalar, Device>;
 template <class Scalar>

@@ -206,6 +206,26 @@ TEMPLATE_TEST_CASE("GPU VQ-attention == its emulation and the CPU mixer", "[gpu]
                                                        std::is_same_v<S, float> ? 1e-5 : 1e-11);
 }
 
+TEMPLATE_TEST_CASE("GPU 16-bit VQ-attention == its emulation (counts and means bit for bit) and "
+                   "the CPU's 16-bit mixer",
+                   "[gpu][vq][half]", bf16, fp16) {
+  using H = TestType;
+  VqAttentionOptions opt;
+  opt.chunk = 64;
+  opt.beta = 0.5;
+  const Inputs<H> in = half_inputs<H>(2, 2, 700, 128, 128, 9);
+  const RowMatrix<H> codebook = half_inputs<H>(1, 1, 300, 128, 1, 10).k;
+  const VqAttention<H, arch::scalar> host(opt);
+  MultiHead<VqAttention<H, arch::scalar>> cpu(
+      host, 1, 4, std::vector<VqState<H>>(2, host.make_state(codebook, 128)));
+  const RowMatrix<H> expected = cpu.forward(in.q, in.k, in.v);
+  auto make = [&](const auto& m, auto stream) { return m.make_state(2, codebook, 128, stream); };
+  for (const auto& cut : kCuts)
+    check_against_emulation<cuda::BasicVqAttention, H>(
+        opt, make, in, cut, expected, std::is_same_v<H, bf16> ? 1.5e-2 : 3e-3,
+        std::is_same_v<H, bf16> ? 5e-3 : 1e-3);
+}
+
 TEMPLATE_TEST_CASE("GPU linear attention == its emulation and the CPU mixer", "[gpu][linear]",
                    float, double) {
   using S = TestType;
@@ -225,6 +245,23 @@ TEMPLATE_TEST_CASE("GPU linear attention == its emulation and the CPU mixer", "[
 
 // Small shapes of every mixer, for compute-sanitizer (scripts/gpu-check runs "[sanitize]" under
 // memcheck and racecheck): partial tiles, a window's ring, a trailing partial chunk, steps.
+TEMPLATE_TEST_CASE("GPU 16-bit linear attention == its emulation and the CPU's 16-bit mixer",
+                   "[gpu][linear][half]", bf16, fp16) {
+  using H = TestType;
+  LinearAttentionOptions opt;
+  opt.chunk = 64;
+  opt.feature_map = kernels::FeatureMap::elu1;
+  opt.normalize = true;
+  const Inputs<H> in = half_inputs<H>(2, 2, 700, 128, 128, 13);
+  MultiHead<LinearAttention<H>> cpu(LinearAttention<H>(opt), 1, 4, 2, 128, 128);
+  const RowMatrix<H> expected = cpu.forward(in.q, in.k, in.v);
+  auto make = [](const auto& m, auto stream) { return m.make_state(2, 128, 128, stream); };
+  // FP32 FMA on both sides, in the same order: the same bits as the emulation.
+  for (const auto& cut : kCuts)
+    check_against_emulation<cuda::BasicLinearAttention, H>(
+        opt, make, in, cut, expected, std::is_same_v<H, bf16> ? 1.5e-2 : 3e-3);
+}
+
 TEST_CASE("GPU mixers on small shapes == their emulation", "[gpu][sanitize]") {
   using S = float;
   const Inputs<S> in = inputs<S>(2, 3, 77, 24, 40, 17, true);
@@ -296,6 +333,50 @@ TEST_CASE("GPU mixers on small shapes == their emulation", "[gpu][sanitize]") {
     check_against_emulation<cuda::BasicLinearAttention, S>(opt, make, in, cut,
                                                            cpu.forward(in.q, in.k, in.v), 2e-5);
   }
+}
+
+// One backend's log-sum-exp for the stream in one forward call.
+template <class Backend, class Mixer, class S, class MakeState>
+RowMatrix<compute_t<S>> lse_on(const Mixer& mixer, MakeState make_state, const Inputs<S>& in,
+                               typename Backend::Stream stream) {
+  using Rows = DeviceRows<S, Backend>;
+  const Rows q(in.q, in.heads * in.group, stream), k(in.k, in.heads, stream),
+      v(in.v, in.heads, stream), o(in.heads * in.group, in.t, in.dv, stream);
+  const DeviceRows<compute_t<S>, Backend> lse(in.heads * in.group, in.t, 1, stream);
+  auto state = make_state(mixer, stream);
+  mixer.forward(state, q.view(), k.view(), v.view(), o.view(), lse.view(), stream);
+  return lse.download(stream);
+}
+
+TEMPLATE_TEST_CASE("GPU log-sum-exp output == its emulation", "[gpu][lse]", float, bf16) {
+  using S = TestType;
+  const Inputs<S> in = [] {
+    if constexpr (is_half_v<S>) {
+      return half_inputs<S>(2, 2, 700, 128, 128, 15, true);
+    } else {
+      return inputs<S>(2, 2, 700, 128, 128, 15, true);
+    }
+  }();
+  cudaStream_t stream;
+  REQUIRE(cudaStreamCreate(&stream) == cudaSuccess);
+  const double bound = is_half_v<S> ? 1e-3 : 1e-6;
+  {
+    const SelfAttentionOptions opt{};
+    auto make = [](const auto& m, auto st) { return m.make_state(2, 128, 128, st); };
+    const auto gpu = lse_on<Device>(cuda::BasicSelfAttention<S, Device>(opt), make, in, stream);
+    const auto host = lse_on<Emulator>(cuda::BasicSelfAttention<S, Emulator>(opt), make, in, nullptr);
+    CHECK(relative_error(gpu, host) < bound);
+  }
+  {
+    OvqOptions opt;
+    opt.capacity = 256;
+    opt.chunk = 64;
+    auto make = [](const auto& m, auto st) { return m.make_state(2, 128, 128, st); };
+    const auto gpu = lse_on<Device>(cuda::BasicOvqAttention<S, Device>(opt), make, in, stream);
+    const auto host = lse_on<Emulator>(cuda::BasicOvqAttention<S, Emulator>(opt), make, in, nullptr);
+    CHECK(relative_error(gpu, host) < bound);
+  }
+  cudaStreamDestroy(stream);
 }
 
 TEST_CASE("GPU decode step captured in a CUDA graph and replayed == steps from the host",

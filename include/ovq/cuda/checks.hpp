@@ -57,6 +57,15 @@ void check_call(const char* where, Index heads, Index dk, Index dv, const ConstH
           dv, ")");
 }
 
+// A forward call's log-sum-exp output: lse (heads * group, T, 1), as Q's rows.
+template <class Compute, class Scalar>
+void check_lse(const char* where, const HeadsView<Compute>& lse, const ConstHeadsView<Scalar>& q) {
+  check_view(where, "lse", ConstHeadsView<Compute>(lse), true);
+  require(lse.heads == q.heads && lse.rows == q.rows && lse.cols == 1, where, "lse has shape (",
+          lse.heads, ", ", lse.rows, ", ", lse.cols, "), expected (", q.heads, ", ", q.rows,
+          ", 1): one entry per query");
+}
+
 inline void check_query_heads(const char* where, Index query_heads, Index heads) {
   require(query_heads >= heads && query_heads % heads == 0, where, "query heads = ", query_heads,
           ", expected a multiple of the ", heads, " key/value heads");

@@ -2,8 +2,9 @@
 // Linear attention on a device (MATH.md section 2): the CPU mixer's options and mathematics over
 // states in device memory batched over (batch x key/value heads).
 //
-// LinearDeviceState: per head S (dk x dv) and z (dk) of the complete chunks, in the state's
-// scalar type, and the pending chunk's raw rows; shared, the decay powers g^i (i <= L).
+// LinearDeviceState: per head S (dk x dv) and z (dk) of the complete chunks, in the compute
+// type (float for 16-bit elements, as the CPU's LinearState), and the pending chunk's raw rows
+// (16-bit for 16-bit elements); shared, the decay powers g^i (i <= L).
 // BasicLinearAttention<Scalar, Backend>: per piece of the stream (up to the end of the current
 // chunk) the rows join the pending chunk, the queries read (S, z) and the chunk
 // (LinearReadProgram), and a complete chunk is folded into (S, z) (LinearWriteProgram).
@@ -13,6 +14,7 @@
 
 #include "ovq/cuda/buffer.hpp"
 #include "ovq/cuda/checks.hpp"
+#include "ovq/cuda/elements.hpp"
 #include "ovq/cuda/kernels/launch.hpp"
 #include "ovq/cuda/kernels/linear.hpp"
 #include "ovq/cuda/mixer_support.hpp"
@@ -23,31 +25,33 @@
 
 namespace ovq::cuda {
 
-template <class Scalar, class Backend>
+template <class Element, class Backend>
 class LinearDeviceState : public StateBase<Backend> {
   using Base = StateBase<Backend>;
+  using Stored = device_element_t<Element>;  // what the kernels store
+  using Compute = compute_t<Element>;        // what they compute in
 
  public:
   using Stream = typename Backend::Stream;
-  using scalar_type = Scalar;
-  using HostState = LinearState<Scalar>;
+  using scalar_type = Element;
+  using HostState = LinearState<Element>;
 
   // powers: g^i for i in [0, chunk] (the mixer's).
-  LinearDeviceState(Index heads, Index dk, Index dv, Index chunk, const std::vector<Scalar>& powers,
-                    Stream stream)
+  LinearDeviceState(Index heads, Index dk, Index dv, Index chunk,
+                    const std::vector<Compute>& powers, Stream stream)
       : Base(stream), heads_(heads), dk_(dk), dv_(dv), chunk_(chunk) {
     const char* where = "cuda::LinearState";
     ovq::detail::check_positive(where, "heads", heads);
     ovq::detail::require(chunk >= 1 && chunk <= kMaxDeviceChunk, where, "chunk = ", chunk,
                          ", expected 1 ... ", kMaxDeviceChunk, " on CUDA");
     detail::check_widths(where, dk, dv);
-    kv_ = DeviceBuffer<Scalar, Backend>(static_cast<std::size_t>(heads * dk * dv), stream);
-    k_sum_ = DeviceBuffer<Scalar, Backend>(static_cast<std::size_t>(heads * dk), stream);
-    pending_keys_ = DeviceBuffer<Scalar, Backend>(static_cast<std::size_t>(heads * chunk * dk), stream);
+    kv_ = DeviceBuffer<Compute, Backend>(static_cast<std::size_t>(heads * dk * dv), stream);
+    k_sum_ = DeviceBuffer<Compute, Backend>(static_cast<std::size_t>(heads * dk), stream);
+    pending_keys_ = DeviceBuffer<Stored, Backend>(static_cast<std::size_t>(heads * chunk * dk), stream);
     pending_values_ =
-        DeviceBuffer<Scalar, Backend>(static_cast<std::size_t>(heads * chunk * dv), stream);
-    powers_ = DeviceBuffer<Scalar, Backend>(powers.size(), stream);
-    Backend::copy(powers_.data(), powers.data(), powers.size() * sizeof(Scalar), stream);
+        DeviceBuffer<Stored, Backend>(static_cast<std::size_t>(heads * chunk * dv), stream);
+    powers_ = DeviceBuffer<Compute, Backend>(powers.size(), stream);
+    Backend::copy(powers_.data(), powers.data(), powers.size() * sizeof(Compute), stream);
     reset(stream);
   }
 
@@ -59,9 +63,11 @@ class LinearDeviceState : public StateBase<Backend> {
   std::int64_t tokens() const { return this->counters().tokens; }
   Index pending() const { return static_cast<Index>(this->counters().pending); }
 
+  // Payload bytes, as the CPU state counts them.
   std::size_t bytes() const {
-    return static_cast<std::size_t>(heads_ * (dk_ * (dv_ + 1) + chunk_ * (dk_ + dv_))) *
-           sizeof(Scalar);
+    return static_cast<std::size_t>(heads_) *
+           (static_cast<std::size_t>(dk_ * (dv_ + 1)) * sizeof(Compute) +
+            static_cast<std::size_t>(chunk_ * (dk_ + dv_)) * sizeof(Element));
   }
 
   void reset(Stream stream) {
@@ -73,8 +79,8 @@ class LinearDeviceState : public StateBase<Backend> {
 
   std::vector<HostState> to_host(Stream stream) {
     this->synchronize(stream);
-    std::vector<Scalar> kv(kv_.size()), z(k_sum_.size()), pk(pending_keys_.size()),
-        pv(pending_values_.size());
+    std::vector<Compute> kv(kv_.size()), z(k_sum_.size());
+    std::vector<Element> pk(pending_keys_.size()), pv(pending_values_.size());
     Backend::copy(kv.data(), kv_.data(), kv_.bytes(), stream);
     Backend::copy(z.data(), k_sum_.data(), k_sum_.bytes(), stream);
     Backend::copy(pk.data(), pending_keys_.data(), pending_keys_.bytes(), stream);
@@ -106,8 +112,8 @@ class LinearDeviceState : public StateBase<Backend> {
                                st.pending() == states[0].pending(),
                            where, "states differ in (t, pending), expected one stream");
     }
-    std::vector<Scalar> kv(kv_.size()), z(k_sum_.size()), pk(pending_keys_.size(), Scalar(0)),
-        pv(pending_values_.size(), Scalar(0));
+    std::vector<Compute> kv(kv_.size()), z(k_sum_.size());
+    std::vector<Element> pk(pending_keys_.size(), Element(0)), pv(pending_values_.size(), Element(0));
     const Index p = states[0].pending();
     for (Index h = 0; h < heads_; ++h) {
       const HostState& st = states[static_cast<std::size_t>(h)];
@@ -135,11 +141,15 @@ class LinearDeviceState : public StateBase<Backend> {
   friend class BasicLinearAttention;
 
   Index heads_, dk_, dv_, chunk_;
-  DeviceBuffer<Scalar, Backend> kv_, k_sum_, pending_keys_, pending_values_, powers_;
+  DeviceBuffer<Compute, Backend> kv_, k_sum_, powers_;
+  DeviceBuffer<Stored, Backend> pending_keys_, pending_values_;
 };
 
 template <class Scalar, class Backend>
 class BasicLinearAttention {
+  using Stored = device_element_t<Scalar>;  // what the kernels store
+  using Compute = compute_t<Scalar>;        // what they compute in
+
  public:
   using Options = LinearAttentionOptions;
   using State = LinearDeviceState<Scalar, Backend>;
@@ -153,7 +163,7 @@ class BasicLinearAttention {
     if (options_.normalize) ovq::detail::check_scalar_range<Scalar>(where, "eps", options_.eps);
     ovq::detail::require(options_.chunk <= kMaxDeviceChunk, where, "chunk = ", options_.chunk,
                          ", expected at most ", kMaxDeviceChunk, " on CUDA");
-    powers_ = ovq::kernels::decay_powers(static_cast<Scalar>(options_.decay), options_.chunk);
+    powers_ = ovq::kernels::decay_powers(static_cast<Compute>(options_.decay), options_.chunk);
   }
 
   const Options& options() const { return options_; }
@@ -197,10 +207,13 @@ class BasicLinearAttention {
     const Index n = k.rows;
     if (n == 0) return;
     const bool capturing = Backend::capturing(stream);
-    detail::launch_finite_check<Backend>(st.device_counters(), q, k, v, stream);
+    // Values first: a bad entry leaves the state as it was.
+    const ConstHeadsView<Stored> q_stored = q != nullptr ? stored(*q) : ConstHeadsView<Stored>{};
+    detail::launch_finite_check<Backend>(st.device_counters(), q != nullptr ? &q_stored : nullptr,
+                                         stored(k), stored(v), stream);
     const Index chunk = st.chunk();
     StateCounters after = st.counters();
-    kernels::LinearParams<Scalar> p;
+    kernels::LinearParams<Compute, Stored> p;
     p.keys = {st.pending_keys_.data(), chunk * st.key_dim(), st.key_dim()};
     p.values = {st.pending_values_.data(), chunk * st.value_dim(), st.value_dim()};
     p.kv = {st.kv_.data(), st.key_dim() * st.value_dim(), st.value_dim()};
@@ -211,24 +224,24 @@ class BasicLinearAttention {
     p.dv = st.value_dim();
     p.map = options_.feature_map;
     p.normalize = options_.normalize;
-    p.beta = static_cast<Scalar>(options_.beta);
-    p.eps = static_cast<Scalar>(options_.eps);
+    p.beta = static_cast<Compute>(options_.beta);
+    p.eps = static_cast<Compute>(options_.eps);
     p.counters = st.device_counters();
     for (Index pos = 0; pos < n;) {
       const Index len = std::min(chunk - static_cast<Index>(after.pending), n - pos);
-      detail::launch_push<Backend>(st.device_counters(), k.middle_rows(pos, len),
-                                   v.middle_rows(pos, len), pending_view(st, true),
+      detail::launch_push<Backend>(st.device_counters(), stored(k.middle_rows(pos, len)),
+                                   stored(v.middle_rows(pos, len)), pending_view(st, true),
                                    pending_view(st, false), chunk, stream);
       after.pending += len;
       after.tokens += len;
       if (q != nullptr) {
-        p.q = {q->data + pos * q->row_stride, q->head_stride, q->row_stride};
-        p.o = {o->data + pos * o->row_stride, o->head_stride, o->row_stride};
+        p.q = {q_stored.data + pos * q->row_stride, q->head_stride, q->row_stride};
+        p.o = {stored(*o).data + pos * o->row_stride, o->head_stride, o->row_stride};
         p.group = q->heads / st.heads();
         p.n_queries = len;
         p.query_heads = q->heads;
         kernels::dispatch_width(std::max(st.key_dim(), st.value_dim()), [&](auto width) {
-          using Read = kernels::LinearReadProgram<Scalar, decltype(width)::value>;
+          using Read = kernels::LinearReadProgram<Compute, decltype(width)::value, Stored>;
           Backend::template launch<Read>(
               Grid{static_cast<int>((len + Read::kRows - 1) / Read::kRows),
                    static_cast<int>(q->heads), 1},
@@ -236,7 +249,7 @@ class BasicLinearAttention {
         });
       }
       if (after.pending == chunk || capturing) {
-        using Write = kernels::LinearWriteProgram<Scalar>;
+        using Write = kernels::LinearWriteProgram<Compute, Stored>;
         const Index entries = st.key_dim() * (st.value_dim() + 1);
         Backend::template launch<Write>(
             Grid{static_cast<int>((entries + Write::kThreads - 1) / Write::kThreads),
@@ -254,14 +267,14 @@ class BasicLinearAttention {
     st.end_call(after, stream);
   }
 
-  static HeadsView<Scalar> pending_view(const State& st, bool keys) {
+  static HeadsView<Stored> pending_view(const State& st, bool keys) {
     return keys ? contiguous_heads(st.pending_keys_.data(), st.heads(), st.chunk(), st.key_dim())
                 : contiguous_heads(st.pending_values_.data(), st.heads(), st.chunk(),
                                    st.value_dim());
   }
 
   Options options_;
-  std::vector<Scalar> powers_;
+  std::vector<Compute> powers_;
 };
 
 }  // namespace ovq::cuda

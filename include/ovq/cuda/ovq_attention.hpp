@@ -303,6 +303,13 @@ class BasicOvqAttention {
                ConstHeadsView<Scalar> v, HeadsView<Scalar> o, Stream stream = {}) const {
     run("forward", state, &q, k, v, &o, stream);
   }
+  // The same, and each query's log-sum-exp (lse: (heads g, T, 1) in the compute type, written):
+  // log sum_j exp(s_ij) over the logits (bias included) query i saw, as on the CPU.
+  void forward(State& state, ConstHeadsView<Scalar> q, ConstHeadsView<Scalar> k,
+               ConstHeadsView<Scalar> v, HeadsView<Scalar> o, HeadsView<Compute> lse,
+               Stream stream = {}) const {
+    run("forward", state, &q, k, v, &o, stream, &lse);
+  }
   void step(State& state, ConstHeadsView<Scalar> q, ConstHeadsView<Scalar> k,
             ConstHeadsView<Scalar> v, HeadsView<Scalar> o, Stream stream = {}) const {
     ovq::detail::check_rows("step", "K", k.rows, 1, "one token per step");
@@ -357,9 +364,10 @@ class BasicOvqAttention {
 
   void run(const char* where, State& st, const ConstHeadsView<Scalar>* q,
            ConstHeadsView<Scalar> k, ConstHeadsView<Scalar> v, const HeadsView<Scalar>* o,
-           Stream stream) const {
+           Stream stream, const HeadsView<Compute>* lse = nullptr) const {
     check_state(where, st);
     detail::check_call(where, st.heads(), st.key_dim(), st.value_dim(), q, k, v, o);
+    if (lse != nullptr) detail::check_lse(where, *lse, *q);
     st.begin_call(stream);
     const Index n = k.rows;
     if (n == 0) return;
@@ -388,7 +396,8 @@ class BasicOvqAttention {
       const WriteWorkspace w = layout(st, plan);
       void* ws = st.template workspace<unsigned char>(w.layout.bytes(), stream, where);
       if (q != nullptr)
-        read(st, q->middle_rows(pos, len), o->middle_rows(pos, len), plan,
+        read(st, q->middle_rows(pos, len), o->middle_rows(pos, len),
+             lse != nullptr ? lse->middle_rows(pos, len) : HeadsView<Compute>{}, plan,
              detail::WorkspaceLayout::at<Compute>(ws, w.partials), stream);
       if (after.pending == chunk || capturing) {
         write(st, w, ws, stream);
@@ -408,8 +417,8 @@ class BasicOvqAttention {
     p.count_bias = options_.count_bias;
   }
 
-  void read(State& st, ConstHeadsView<Scalar> q, HeadsView<Scalar> o, const kernels::ReadPlan& plan,
-            Compute* partials, Stream stream) const {
+  void read(State& st, ConstHeadsView<Scalar> q, HeadsView<Scalar> o, HeadsView<Compute> lse,
+            const kernels::ReadPlan& plan, Compute* partials, Stream stream) const {
     kernels::ReadParams<Compute, Stored> p = detail::read_params<Compute>(
         stored(q), stored(o), st.heads(), st.key_dim(), st.value_dim(), options_.beta,
         st.device_counters());
@@ -418,6 +427,7 @@ class BasicOvqAttention {
     p.local_keys = {st.pending_keys_.data(), st.chunk() * st.key_dim(), st.key_dim()};
     p.local_values = {st.pending_values_.data(), st.chunk() * st.value_dim(), st.value_dim()};
     p.aligned_rows = detail::aligned_read_rows(p);
+    p.lse = {lse.data, lse.head_stride, lse.row_stride};
     kernels::launch_read<Backend>(p, plan, partials, stream);
   }
 

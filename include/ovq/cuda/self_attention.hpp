@@ -205,6 +205,13 @@ class BasicSelfAttention {
                ConstHeadsView<Scalar> v, HeadsView<Scalar> o, Stream stream = {}) const {
     run("forward", state, &q, k, v, &o, stream);
   }
+  // The same, and each query's log-sum-exp (lse: (heads g, T, 1) in the compute type, written):
+  // log sum_j exp(s_ij) over the logits query i saw, -inf where it saw none, as on the CPU.
+  void forward(State& state, ConstHeadsView<Scalar> q, ConstHeadsView<Scalar> k,
+               ConstHeadsView<Scalar> v, HeadsView<Scalar> o, HeadsView<Compute> lse,
+               Stream stream = {}) const {
+    run("forward", state, &q, k, v, &o, stream, &lse);
+  }
   // One token per head: T = 1.
   void step(State& state, ConstHeadsView<Scalar> q, ConstHeadsView<Scalar> k,
             ConstHeadsView<Scalar> v, HeadsView<Scalar> o, Stream stream = {}) const {
@@ -241,9 +248,10 @@ class BasicSelfAttention {
 
   void run(const char* where, State& st, const ConstHeadsView<Scalar>* q,
            ConstHeadsView<Scalar> k, ConstHeadsView<Scalar> v, const HeadsView<Scalar>* o,
-           Stream stream) const {
+           Stream stream, const HeadsView<Compute>* lse = nullptr) const {
     check_state(where, st);
     detail::check_call(where, st.heads(), st.key_dim(), st.value_dim(), q, k, v, o);
+    if (lse != nullptr) detail::check_lse(where, *lse, *q);
     st.begin_call(stream);
     const Index n = k.rows;
     if (n == 0) return;
@@ -263,9 +271,11 @@ class BasicSelfAttention {
     const Index piece = options_.causal ? options_.chunk : n;
     for (Index c0 = 0; c0 < n; c0 += piece) {
       const Index len = std::min(piece, n - c0);
-      if (q != nullptr) read(st, q->middle_rows(c0, len), k.middle_rows(c0, len),
-                             v.middle_rows(c0, len), o->middle_rows(c0, len),
-                             static_cast<Index>(after.size), capturing, where, stream);
+      if (q != nullptr)
+        read(st, q->middle_rows(c0, len), k.middle_rows(c0, len), v.middle_rows(c0, len),
+             o->middle_rows(c0, len),
+             lse != nullptr ? lse->middle_rows(c0, len) : HeadsView<Compute>{},
+             static_cast<Index>(after.size), capturing, where, stream);
       append(st, k.middle_rows(c0, len), v.middle_rows(c0, len), stream);
       after.tokens += len;
       after.size = st.keep_ >= 0 ? std::min<std::int64_t>(after.size + len, st.keep_)
@@ -275,8 +285,8 @@ class BasicSelfAttention {
   }
 
   void read(State& st, ConstHeadsView<Scalar> q, ConstHeadsView<Scalar> k,
-            ConstHeadsView<Scalar> v, HeadsView<Scalar> o, Index rows, bool capturing,
-            const char* where, Stream stream) const {
+            ConstHeadsView<Scalar> v, HeadsView<Scalar> o, HeadsView<Compute> lse, Index rows,
+            bool capturing, const char* where, Stream stream) const {
     kernels::ReadParams<Compute, Stored> p = detail::read_params<Compute>(
         stored(q), stored(o), st.heads(), st.key_dim(), st.value_dim(), options_.beta,
         st.device_counters());
@@ -289,6 +299,7 @@ class BasicSelfAttention {
     p.local_keys = {stored(k).data, k.head_stride, k.row_stride};
     p.local_values = {stored(v).data, v.head_stride, v.row_stride};
     p.aligned_rows = detail::aligned_read_rows(p);
+    p.lse = {lse.data, lse.head_stride, lse.row_stride};
     const kernels::ReadPlan plan = read_plan(st, p.group, p.n_queries, rows, capturing);
     Compute* ws = st.template workspace<Compute>(plan.workspace_scalars, stream, where);
     kernels::launch_read<Backend>(p, plan, ws, stream);

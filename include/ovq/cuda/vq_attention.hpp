@@ -9,12 +9,16 @@
 // chunk) the keys are quantised in one parallel pass (AssignProgram), pushed with their values
 // (VqPushProgram), the queries read codebook and chunk (bias log c), and a complete chunk is
 // written into the counts and means (DictionaryWriteProgram, values only).
+// Element: float, double, or ovq::bf16 / ovq::fp16 (16-bit inputs, codebook, pending chunk and
+// value read rows, the mean values in float as on the CPU, rounded into the read rows after
+// each chunk's write by RefreshRowsProgram; reads on tensor cores).
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
 #include "ovq/cuda/buffer.hpp"
 #include "ovq/cuda/checks.hpp"
+#include "ovq/cuda/elements.hpp"
 #include "ovq/cuda/kernels/assign.hpp"
 #include "ovq/cuda/kernels/dictionary_write.hpp"
 #include "ovq/cuda/kernels/launch.hpp"
@@ -28,14 +32,19 @@
 
 namespace ovq::cuda {
 
-template <class Scalar, class Backend>
+template <class Element, class Backend>
 class VqDeviceState : public StateBase<Backend> {
   using Base = StateBase<Backend>;
+  using Stored = device_element_t<Element>;  // what the kernels store
+  using Compute = compute_t<Element>;        // what they compute in
 
  public:
   using Stream = typename Backend::Stream;
-  using scalar_type = Scalar;
-  using HostState = VqState<Scalar>;
+  using scalar_type = Element;
+  using HostState = VqState<Element>;
+  // 16-bit elements: the mean values are float rows of their own, and the reads stream their
+  // 16-bit rounding (as the CPU's Dictionary<bf16>); float and double: one set of rows.
+  static constexpr bool kSeparateMeans = is_half_v<Element>;
 
   // One head per host state, each with its codebook, counts, means and pending rows.
   VqDeviceState(const std::vector<HostState>& states, Stream stream) : Base(stream) {
@@ -52,14 +61,15 @@ class VqDeviceState : public StateBase<Backend> {
     detail::check_widths(where, dk_, dv_);
     const auto rows = static_cast<std::size_t>(heads_ * codes_);
     const auto pending = static_cast<std::size_t>(heads_ * chunk_);
-    codebook_ = DeviceBuffer<Scalar, Backend>(rows * dk_, stream);
-    offsets_ = DeviceBuffer<Scalar, Backend>(rows, stream);
-    values_ = DeviceBuffer<Scalar, Backend>(rows * dv_, stream);
+    codebook_ = DeviceBuffer<Stored, Backend>(rows * dk_, stream);
+    offsets_ = DeviceBuffer<Compute, Backend>(rows, stream);
+    mean_values_ = DeviceBuffer<Compute, Backend>(rows * dv_, stream);
+    if constexpr (kSeparateMeans) values_ = DeviceBuffer<Stored, Backend>(rows * dv_, stream);
     counts_ = DeviceBuffer<std::int64_t, Backend>(rows, stream);
-    log_counts_ = DeviceBuffer<Scalar, Backend>(rows, stream);
+    log_counts_ = DeviceBuffer<Compute, Backend>(rows, stream);
     pending_codes_ = DeviceBuffer<Index, Backend>(pending, stream);
-    pending_keys_ = DeviceBuffer<Scalar, Backend>(pending * dk_, stream);
-    pending_values_ = DeviceBuffer<Scalar, Backend>(pending * dv_, stream);
+    pending_keys_ = DeviceBuffer<Stored, Backend>(pending * dk_, stream);
+    pending_values_ = DeviceBuffer<Stored, Backend>(pending * dv_, stream);
     from_host(states, stream);
   }
 
@@ -72,18 +82,22 @@ class VqDeviceState : public StateBase<Backend> {
   std::int64_t tokens() const { return this->counters().tokens; }
   Index pending() const { return static_cast<Index>(this->counters().pending); }
 
+  // Payload bytes, as the CPU state counts them.
   std::size_t bytes() const {
+    const auto width = static_cast<std::size_t>(dk_ + dv_);
     return static_cast<std::size_t>(heads_) *
            (static_cast<std::size_t>(codes_) *
-                ((dk_ + dv_ + 2) * sizeof(Scalar) + sizeof(std::int64_t)) +
-            static_cast<std::size_t>(chunk_) * ((dk_ + dv_) * sizeof(Scalar) + sizeof(Index)));
+                (width * sizeof(Element) + (kSeparateMeans ? width * sizeof(Compute) : 0) +
+                 2 * sizeof(Compute) + sizeof(std::int64_t)) +
+            static_cast<std::size_t>(chunk_) * (width * sizeof(Element) + sizeof(Index)));
   }
 
   // Forgets the stream; the codebooks stay.
   void reset(Stream stream) {
-    Backend::zero(values_.data(), values_.bytes(), stream);
+    Backend::zero(mean_values_.data(), mean_values_.bytes(), stream);
+    if constexpr (kSeparateMeans) Backend::zero(values_.data(), values_.bytes(), stream);
     Backend::zero(counts_.data(), counts_.bytes(), stream);
-    std::vector<Scalar> minus_inf(static_cast<std::size_t>(heads_ * codes_), -Scalar(INFINITY));
+    std::vector<Compute> minus_inf(static_cast<std::size_t>(heads_ * codes_), -Compute(INFINITY));
     Backend::copy(log_counts_.data(), minus_inf.data(), log_counts_.bytes(), stream);
     StateCounters c;
     c.size = codes_;
@@ -95,23 +109,25 @@ class VqDeviceState : public StateBase<Backend> {
   std::vector<HostState> to_host(Stream stream) {
     this->synchronize(stream);
     const auto rows = static_cast<std::size_t>(heads_ * codes_);
-    std::vector<Scalar> cb(rows * dk_), v(rows * dv_);
+    std::vector<Element> cb(rows * dk_);
+    std::vector<Compute> v(rows * dv_);
     std::vector<std::int64_t> cnt(rows);
     std::vector<Index> pc(static_cast<std::size_t>(heads_ * chunk_));
-    std::vector<Scalar> pv(static_cast<std::size_t>(heads_ * chunk_ * dv_));
-    Backend::copy(cb.data(), codebook_.data(), cb.size() * sizeof(Scalar), stream);
-    Backend::copy(v.data(), values_.data(), v.size() * sizeof(Scalar), stream);
+    std::vector<Element> pv(static_cast<std::size_t>(heads_ * chunk_ * dv_));
+    Backend::copy(cb.data(), codebook_.data(), cb.size() * sizeof(Element), stream);
+    Backend::copy(v.data(), mean_values_.data(), v.size() * sizeof(Compute), stream);
     Backend::copy(cnt.data(), counts_.data(), cnt.size() * sizeof(std::int64_t), stream);
     Backend::copy(pc.data(), pending_codes_.data(), pc.size() * sizeof(Index), stream);
-    Backend::copy(pv.data(), pending_values_.data(), pv.size() * sizeof(Scalar), stream);
+    Backend::copy(pv.data(), pending_values_.data(), pv.size() * sizeof(Element), stream);
     Backend::synchronize(stream);
     std::vector<HostState> out;
     const Index p = pending();
     for (Index h = 0; h < heads_; ++h) {
-      out.emplace_back(ConstRowsView<Scalar>{cb.data() + h * codes_ * dk_, codes_, dk_, dk_}, dv_,
-                       chunk_);
-      Dictionary<Scalar>& d = out.back().dictionary();
-      const DictionaryRows<Scalar> rows = d.rows();
+      out.emplace_back(ConstRowsView<Element>{cb.data() + h * codes_ * dk_, codes_, dk_, dk_},
+                       dv_, chunk_);
+      Dictionary<Element>& d = out.back().dictionary();
+      const DictionaryRows<Element> rows = d.rows();
+      // The means, and (16-bit) the read rows rounded from them: the rows the device holds.
       for (Index r = 0; r < codes_; ++r) {
         std::copy_n(v.data() + (h * codes_ + r) * dv_, dv_, rows.mean_values.row(r));
         d.publish(r);
@@ -140,19 +156,21 @@ class VqDeviceState : public StateBase<Backend> {
                            where, "states differ in (t, pending), expected one stream");
     }
     const auto rows = static_cast<std::size_t>(heads_ * codes_);
-    std::vector<Scalar> cb(rows * dk_), off(rows), v(rows * dv_), logc(rows);
+    std::vector<Element> cb(rows * dk_), v(kSeparateMeans ? rows * dv_ : 0);
+    std::vector<Compute> off(rows), mv(rows * dv_), logc(rows);
     std::vector<std::int64_t> cnt(rows);
     std::vector<Index> pc(static_cast<std::size_t>(heads_ * chunk_), 0);
-    std::vector<Scalar> pk(static_cast<std::size_t>(heads_ * chunk_ * dk_), Scalar(0)),
-        pv(static_cast<std::size_t>(heads_ * chunk_ * dv_), Scalar(0));
+    std::vector<Element> pk(static_cast<std::size_t>(heads_ * chunk_ * dk_), Element(0)),
+        pv(static_cast<std::size_t>(heads_ * chunk_ * dv_), Element(0));
     const Index p = states[0].pending();
     for (Index h = 0; h < heads_; ++h) {
       const HostState& st = states[static_cast<std::size_t>(h)];
-      const Dictionary<Scalar>& d = st.dictionary();
+      const Dictionary<Element>& d = st.dictionary();
       for (Index r = 0; r < codes_; ++r) {
         const std::size_t at = static_cast<std::size_t>(h * codes_ + r);
         std::copy_n(st.codebook().row(r), dk_, cb.data() + at * dk_);
-        std::copy_n(d.values().row(r), dv_, v.data() + at * dv_);
+        std::copy_n(d.mean_values().row(r), dv_, mv.data() + at * dv_);
+        if constexpr (kSeparateMeans) std::copy_n(d.values().row(r), dv_, v.data() + at * dv_);
         off[at] = st.neg_half_norms()[r];
         cnt[at] = d.count(r);
         logc[at] = d.log_counts()[r];
@@ -163,14 +181,16 @@ class VqDeviceState : public StateBase<Backend> {
         std::copy_n(st.pending_values().row(i), dv_, pv.data() + (h * chunk_ + i) * dv_);
       }
     }
-    Backend::copy(codebook_.data(), cb.data(), cb.size() * sizeof(Scalar), stream);
-    Backend::copy(offsets_.data(), off.data(), off.size() * sizeof(Scalar), stream);
-    Backend::copy(values_.data(), v.data(), v.size() * sizeof(Scalar), stream);
+    Backend::copy(codebook_.data(), cb.data(), cb.size() * sizeof(Element), stream);
+    Backend::copy(offsets_.data(), off.data(), off.size() * sizeof(Compute), stream);
+    Backend::copy(mean_values_.data(), mv.data(), mv.size() * sizeof(Compute), stream);
+    if constexpr (kSeparateMeans)
+      Backend::copy(values_.data(), v.data(), v.size() * sizeof(Element), stream);
     Backend::copy(counts_.data(), cnt.data(), cnt.size() * sizeof(std::int64_t), stream);
-    Backend::copy(log_counts_.data(), logc.data(), logc.size() * sizeof(Scalar), stream);
+    Backend::copy(log_counts_.data(), logc.data(), logc.size() * sizeof(Compute), stream);
     Backend::copy(pending_codes_.data(), pc.data(), pc.size() * sizeof(Index), stream);
-    Backend::copy(pending_keys_.data(), pk.data(), pk.size() * sizeof(Scalar), stream);
-    Backend::copy(pending_values_.data(), pv.data(), pv.size() * sizeof(Scalar), stream);
+    Backend::copy(pending_keys_.data(), pk.data(), pk.size() * sizeof(Element), stream);
+    Backend::copy(pending_values_.data(), pv.data(), pv.size() * sizeof(Element), stream);
     StateCounters c;
     c.absorbed = states[0].absorbed();
     c.tokens = states[0].tokens();
@@ -184,15 +204,23 @@ class VqDeviceState : public StateBase<Backend> {
   template <class S, class B>
   friend class BasicVqAttention;
 
+  // The value rows the reads stream: the 16-bit rows, or the means themselves.
+  Stored* read_values() const {
+    if constexpr (kSeparateMeans) return values_.data(); else return mean_values_.data();
+  }
+
   Index heads_ = 0, codes_ = 0, chunk_ = 0, dk_ = 0, dv_ = 0;
-  DeviceBuffer<Scalar, Backend> codebook_, offsets_, values_, log_counts_, pending_keys_,
-      pending_values_;
+  DeviceBuffer<Stored, Backend> codebook_, values_, pending_keys_, pending_values_;
+  DeviceBuffer<Compute, Backend> offsets_, mean_values_, log_counts_;
   DeviceBuffer<std::int64_t, Backend> counts_;
   DeviceBuffer<Index, Backend> pending_codes_;
 };
 
 template <class Scalar, class Backend>
 class BasicVqAttention {
+  using Stored = device_element_t<Scalar>;  // what the kernels store
+  using Compute = compute_t<Scalar>;        // what they compute in
+
  public:
   using Options = VqAttentionOptions;
   using State = VqDeviceState<Scalar, Backend>;
@@ -228,6 +256,13 @@ class BasicVqAttention {
                ConstHeadsView<Scalar> v, HeadsView<Scalar> o, Stream stream = {}) const {
     run("forward", state, &q, k, v, &o, stream);
   }
+  // The same, and each query's log-sum-exp (lse: (heads g, T, 1) in the compute type, written):
+  // log sum_j exp(s_ij) over the logits (bias included) query i saw, as on the CPU.
+  void forward(State& state, ConstHeadsView<Scalar> q, ConstHeadsView<Scalar> k,
+               ConstHeadsView<Scalar> v, HeadsView<Scalar> o, HeadsView<Compute> lse,
+               Stream stream = {}) const {
+    run("forward", state, &q, k, v, &o, stream, &lse);
+  }
   void step(State& state, ConstHeadsView<Scalar> q, ConstHeadsView<Scalar> k,
             ConstHeadsView<Scalar> v, HeadsView<Scalar> o, Stream stream = {}) const {
     ovq::detail::check_rows("step", "K", k.rows, 1, "one token per step");
@@ -251,7 +286,7 @@ class BasicVqAttention {
   // The read of n positions over the codebook and a chunk (its size does not depend on where
   // in the chunk the read is).
   kernels::ReadPlan read_plan(const State& st, Index group, Index n) const {
-    return kernels::plan_read<Scalar>(st.heads(), group, n,
+    return kernels::plan_read<Stored>(st.heads(), group, n,
                                       std::max(st.key_dim(), st.value_dim()),
                                       st.codebook_size() + st.chunk());
   }
@@ -263,25 +298,30 @@ class BasicVqAttention {
   Workspace layout(const State& st, const kernels::ReadPlan& plan) const {
     Workspace w;
     const auto rows = static_cast<std::size_t>(st.heads() * st.chunk());
-    w.best = w.layout.template add<Scalar>(rows);
+    w.best = w.layout.template add<Compute>(rows);
     w.codes = w.layout.template add<Index>(rows);
     w.picked = w.layout.template add<unsigned char>(rows);
     w.order = w.layout.template add<Index>(rows);
-    w.partials = w.layout.template add<Scalar>(plan.workspace_scalars);
+    w.partials = w.layout.template add<Compute>(plan.workspace_scalars);
     return w;
   }
 
   void run(const char* where, State& st, const ConstHeadsView<Scalar>* q,
            ConstHeadsView<Scalar> k, ConstHeadsView<Scalar> v, const HeadsView<Scalar>* o,
-           Stream stream) const {
+           Stream stream, const HeadsView<Compute>* lse = nullptr) const {
     using detail::WorkspaceLayout;
     check_state(where, st);
     detail::check_call(where, st.heads(), st.key_dim(), st.value_dim(), q, k, v, o);
+    if (lse != nullptr) detail::check_lse(where, *lse, *q);
     st.begin_call(stream);
     const Index n = k.rows;
     if (n == 0) return;
     const bool capturing = Backend::capturing(stream);
-    detail::launch_finite_check<Backend>(st.device_counters(), q, k, v, stream);
+    // Values first: a bad entry leaves the state as it was.
+    const ConstHeadsView<Stored> q_stored = q != nullptr ? stored(*q) : ConstHeadsView<Stored>{};
+    detail::launch_finite_check<Backend>(st.device_counters(), q != nullptr ? &q_stored : nullptr,
+                                         stored(k), stored(v), stream);
+    const ConstHeadsView<Stored> k_stored = stored(k), v_stored = stored(v);
     const Index chunk = st.chunk();
     const int heads = static_cast<int>(st.heads());
     StateCounters after = st.counters();
@@ -293,26 +333,26 @@ class BasicVqAttention {
       void* ws = st.template workspace<unsigned char>(w.layout.bytes(), stream, where);
 
       // Quantise the piece's keys, then push codes, codebook rows and values.
-      kernels::AssignParams<Scalar> a;
-      a.x = {k.data + pos * k.row_stride, k.head_stride, k.row_stride};
+      kernels::AssignParams<Compute, Stored, Stored> a;
+      a.x = {k_stored.data + pos * k.row_stride, k.head_stride, k.row_stride};
       a.rows = len;
       a.d = st.key_dim();
       a.centroids = {st.codebook_.data(), st.codebook_size() * st.key_dim(), st.key_dim()};
       a.offset = st.offsets_.data();
       a.offset_stride = st.codebook_size();
       a.fixed_count = st.codebook_size();
-      a.best = WorkspaceLayout::at<Scalar>(ws, w.best);
+      a.best = WorkspaceLayout::at<Compute>(ws, w.best);
       a.arg = WorkspaceLayout::at<Index>(ws, w.codes);
       kernels::dispatch_width(st.key_dim(), [&](auto width) {
-        using Assign = kernels::AssignProgram<Scalar, decltype(width)::value>;
+        using Assign = kernels::AssignProgram<Compute, decltype(width)::value, Stored, Stored>;
         Backend::template launch<Assign>(
             Grid{static_cast<int>((len + Assign::kRows - 1) / Assign::kRows), heads, 1}, a,
             stream);
       });
-      kernels::VqPushParams<Scalar> push;
+      kernels::VqPushParams<Stored> push;
       push.codes = a.arg;
       push.rows = len;
-      push.values = {v.data + pos * v.row_stride, v.head_stride, v.row_stride};
+      push.values = {v_stored.data + pos * v.row_stride, v.head_stride, v.row_stride};
       push.codebook = a.centroids;
       push.pending_codes = st.pending_codes_.data();
       push.pending_keys = {st.pending_keys_.data(), chunk * st.key_dim(), st.key_dim()};
@@ -321,7 +361,7 @@ class BasicVqAttention {
       push.dk = st.key_dim();
       push.dv = st.value_dim();
       push.counters = st.device_counters();
-      Backend::template launch<kernels::VqPushProgram<Scalar>>(Grid{static_cast<int>(len), heads, 1},
+      Backend::template launch<kernels::VqPushProgram<Stored>>(Grid{static_cast<int>(len), heads, 1},
                                                                push, stream);
       detail::launch_counters<Backend>(st.device_counters(), kernels::CounterOp::push, len, chunk,
                                        nullptr, stream);
@@ -329,28 +369,30 @@ class BasicVqAttention {
       after.tokens += len;
 
       if (q != nullptr) {
-        kernels::ReadParams<Scalar> p =
-            detail::read_params<Scalar>(q->middle_rows(pos, len), o->middle_rows(pos, len),
-                                        st.heads(), st.key_dim(), st.value_dim(), options_.beta,
-                                        st.device_counters());
+        kernels::ReadParams<Compute, Stored> p = detail::read_params<Compute>(
+            stored(q->middle_rows(pos, len)), stored(o->middle_rows(pos, len)), st.heads(),
+            st.key_dim(), st.value_dim(), options_.beta, st.device_counters());
         p.source = kernels::ReadSource::dictionary;
         p.memory_keys = a.centroids;
-        p.memory_values = {st.values_.data(), st.codebook_size() * st.value_dim(), st.value_dim()};
+        p.memory_values = {st.read_values(), st.codebook_size() * st.value_dim(), st.value_dim()};
         p.bias = {st.log_counts_.data(), st.codebook_size(), 1};
         p.local_keys = {st.pending_keys_.data(), chunk * st.key_dim(), st.key_dim()};
         p.local_values = pending_values(st);
-        kernels::launch_read<Backend>(p, plan, WorkspaceLayout::at<Scalar>(ws, w.partials),
+        p.aligned_rows = detail::aligned_read_rows(p);
+        if (lse != nullptr) p.lse = {lse->data + pos * lse->row_stride, lse->head_stride,
+                                     lse->row_stride};
+        kernels::launch_read<Backend>(p, plan, WorkspaceLayout::at<Compute>(ws, w.partials),
                                       stream);
       }
       if (after.pending == chunk || capturing) {
-        kernels::DictionaryWriteParams<Scalar> d;
+        kernels::DictionaryWriteParams<Compute, Stored> d;
         d.values = pending_values(st);
         d.keys = {st.pending_keys_.data(), chunk * st.key_dim(), st.key_dim()};
         d.chunk = chunk;
         d.dk = st.key_dim();
         d.dv = st.value_dim();
-        d.dict_keys = {st.codebook_.data(), st.codebook_size() * st.key_dim(), st.key_dim()};
-        d.dict_values = {st.values_.data(), st.codebook_size() * st.value_dim(), st.value_dim()};
+        d.dict_values = {st.mean_values_.data(), st.codebook_size() * st.value_dim(),
+                         st.value_dim()};
         d.counts = st.counts_.data();
         d.log_counts = st.log_counts_.data();
         d.capacity = st.codebook_size();
@@ -359,8 +401,9 @@ class BasicVqAttention {
         d.assigned = st.pending_codes_.data();
         d.picked = WorkspaceLayout::at<unsigned char>(ws, w.picked);
         d.order = WorkspaceLayout::at<Index>(ws, w.order);
-        Backend::template launch<kernels::DictionaryWriteProgram<Scalar>>(Grid{1, heads, 1}, d,
-                                                                           stream);
+        Backend::template launch<kernels::DictionaryWriteProgram<Compute, Stored>>(
+            Grid{1, heads, 1}, d, stream);
+        if constexpr (State::kSeparateMeans) refresh_values(st, stream);
         detail::launch_counters<Backend>(st.device_counters(), kernels::CounterOp::complete, 0,
                                          chunk, nullptr, stream);
         if (after.pending == chunk) {
@@ -373,7 +416,22 @@ class BasicVqAttention {
     st.end_call(after, stream);
   }
 
-  static kernels::HeadRows<Scalar> pending_values(const State& st) {
+  // The 16-bit value rows rounded from the means the write updated (before the counters move).
+  static void refresh_values(State& st, Stream stream) {
+    kernels::RefreshRowsParams<Stored> r;
+    r.mean_values = {st.mean_values_.data(), st.codebook_size() * st.value_dim(), st.value_dim()};
+    r.values = {st.values_.data(), st.codebook_size() * st.value_dim(), st.value_dim()};
+    r.dv = st.value_dim();
+    r.counters = st.device_counters();
+    r.chunk = st.chunk();
+    using Refresh = kernels::RefreshRowsProgram<Stored>;
+    Backend::template launch<Refresh>(
+        Grid{static_cast<int>((st.codebook_size() + Refresh::kRows - 1) / Refresh::kRows),
+             static_cast<int>(st.heads()), 1},
+        r, stream);
+  }
+
+  static kernels::HeadRows<Stored> pending_values(const State& st) {
     return {st.pending_values_.data(), st.chunk() * st.value_dim(), st.value_dim()};
   }
 

@@ -16,8 +16,8 @@
 // Thread t: rows (t / 16) 2 + i, centroids t % 16 + 16 j of each tile. 256 threads.
 // Shapes: x (states x L x d), C (states x capacity x d, rows [0, n) used), offset (states x
 // capacity) or none, best and arg (states x L). Cost: 2 L n kD flops.
-// Input: the element of x (16-bit bits are widened as they are staged: the scores are those of
-// the widened rows, as the CPU's 16-bit dictionaries assign against their float means).
+// Input, Centroid: the elements of x and C (16-bit bits are widened as they are staged: the
+// scores are those of the widened rows, as the CPU's 16-bit mixers compute them).
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -30,12 +30,12 @@
 
 namespace ovq::cuda::kernels {
 
-template <class Scalar, class Input = Scalar>
+template <class Scalar, class Input = Scalar, class Centroid = Scalar>
 struct AssignParams {
   HeadRows<Input> x;           // rows to assign
   Index rows = 0;              // L
   Index d = 0;                 // <= kD
-  HeadRows<Scalar> centroids;  // rows [0, n) of each state
+  HeadRows<Centroid> centroids;  // rows [0, n) of each state
   const Scalar* offset = nullptr;  // state s, centroid r: offset[s * offset_stride + r]
   Index offset_stride = 0;
   // n: the counters' size (OVQ: the dictionary before the chunk) or a fixed count (VQ: the
@@ -63,9 +63,9 @@ struct ArgBest {
   }
 };
 
-template <class Scalar, int kD, class Input = Scalar>
+template <class Scalar, int kD, class Input = Scalar, class Centroid = Scalar>
 struct AssignProgram {
-  using Params = AssignParams<Scalar, Input>;
+  using Params = AssignParams<Scalar, Input, Centroid>;
   static constexpr int kThreads = 256;
   static constexpr int kRows = 32;
   static constexpr int kTile = 64;
@@ -122,7 +122,7 @@ struct AssignProgram {
         for (int e = t; e < kTile * kD; e += kThreads) {
           const Index j = e / kD, c = e % kD;
           Scalar v = Scalar(0);
-          if (r0 + j < n && c < p.d) v = p.centroids.row(s, r0 + j)[c];
+          if (r0 + j < n && c < p.d) v = compute_of(p.centroids.row(s, r0 + j)[c]);
           cs[j * kStride + c] = v;
         }
       });

@@ -28,7 +28,8 @@
 //
 // Input: the chunk's element. With 16-bit chunks the dictionary rows written here are the
 // float running means (16-bit rows widened, as on the CPU), and RefreshRowsProgram then rounds
-// them into the 16-bit rows the reads stream (state/dictionary_rows.hpp).
+// them into the 16-bit rows the reads stream (state/dictionary_rows.hpp), OVQ's keys and values
+// or VQ's values.
 #include <cstdint>
 
 #include "ovq/config.hpp"
@@ -48,7 +49,8 @@ struct DictionaryWriteParams {
   HeadRows<Input> keys, values;  // the chunk: L rows of each state
   Index chunk = 0;                // L
   Index dk = 0, dv = 0;
-  MutableHeadRows<Scalar> dict_keys, dict_values;  // capacity rows of each state
+  // Capacity rows of each state (VQ: no keys, the codebook is fixed).
+  MutableHeadRows<Scalar> dict_keys, dict_values;
   std::int64_t* counts = nullptr;                  // state s, row r: counts[s * capacity + r]
   Scalar* log_counts = nullptr;
   Index capacity = 0;
@@ -108,8 +110,9 @@ struct DictionaryWriteProgram {
     unsigned char* picked = row_of(p.picked);
     Index* order = row_of(p.order);
     Index* draws = row_of(p.draws);
+    Scalar* keys = p.dict_keys.data != nullptr ? p.dict_keys.row(s, 0) : nullptr;
     const DictionaryRows<Scalar> dict = dictionary_rows<Scalar>(
-        {p.dict_keys.data + s * p.dict_keys.head_stride, p.capacity, p.dk, p.dict_keys.row_stride},
+        {keys, p.capacity, p.dk, p.dict_keys.row_stride},
         {p.dict_values.data + s * p.dict_values.head_stride, p.capacity, p.dv,
          p.dict_values.row_stride},
         p.counts + s * p.capacity, p.log_counts + s * p.capacity);
@@ -303,18 +306,19 @@ struct DictionaryWriteProgram {
 
 // The 16-bit rows the reads stream, rounded from the float running means after a chunk's
 // write (the CPU's Dictionary::publish): rows [0, n + m) of every state, where n is the size
-// before the chunk and m the rows it opened (the counters are advanced after this). Rows the
-// write did not touch round to the bits they hold already.
+// before the chunk and m the rows it opened (the counters are advanced after this; VQ opens
+// none), keys (OVQ) and values. Rows the write did not touch round to the bits they hold
+// already.
 // Block (x, s): rows [kRows x, kRows x + kRows) of state s, 256 threads over their entries.
 // Cost: (n + m) (dk + dv) conversions.
 template <class Bits>
 struct RefreshRowsParams {
-  HeadRows<float> mean_keys, mean_values;  // capacity rows of each state
+  HeadRows<float> mean_keys, mean_values;  // capacity rows of each state (VQ: no keys)
   MutableHeadRows<Bits> keys, values;
   Index dk = 0, dv = 0;
   const StateCounters* counters = nullptr;
   Index chunk = 0;                       // runs only when pending == chunk, as the write
-  const std::int64_t* opened = nullptr;  // DictionaryWriteProgram's (rows opened, ...)
+  const std::int64_t* opened = nullptr;  // DictionaryWriteProgram's (rows opened, ...); VQ: none
 };
 
 template <class Bits>
@@ -329,17 +333,18 @@ struct RefreshRowsProgram {
     const StateCounters& c = *p.counters;
     if (c.fault != 0 || c.pending != p.chunk) return;
     const Index s = index.y;
-    const Index rows = static_cast<Index>(c.size + p.opened[0]);
+    const Index rows = static_cast<Index>(c.size + (p.opened != nullptr ? p.opened[0] : 0));
     const Index r0 = static_cast<Index>(index.x) * kRows;
-    const Index width = p.dk + p.dv;
+    const Index dk = p.keys.data != nullptr ? p.dk : 0;
+    const Index width = dk + p.dv;
     block.each([&](int t) {
       for (Index e = t; e < kRows * width; e += kThreads) {
         const Index r = r0 + e / width, col = e % width;
         if (r >= rows) continue;
-        if (col < p.dk) {
+        if (col < dk) {
           p.keys.row(s, r)[col] = narrow<Bits>(p.mean_keys.row(s, r)[col]);
         } else {
-          p.values.row(s, r)[col - p.dk] = narrow<Bits>(p.mean_values.row(s, r)[col - p.dk]);
+          p.values.row(s, r)[col - dk] = narrow<Bits>(p.mean_values.row(s, r)[col - dk]);
         }
       }
     });

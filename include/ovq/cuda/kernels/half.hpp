@@ -8,6 +8,7 @@
 //   narrow<Bits>(f)      to nearest, ties to even; NaN stays NaN, overflow goes to inf (the
 //                        kernels clamp outputs to largest_finite<Bits>() first)
 //   compute_of(x)        what a kernel computes with: widen(x) for 16-bit bits, else x
+//   element_of<Stored>(f)  a result as the element stored: narrow for 16-bit bits, else f
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -115,6 +116,17 @@ OVQ_HOST_DEVICE Scalar compute_of(Scalar x) {
 }
 OVQ_HOST_DEVICE inline float compute_of(Bf16Bits x) { return widen(x); }
 OVQ_HOST_DEVICE inline float compute_of(Fp16Bits x) { return widen(x); }
+
+// A computed value as an element: rounded to 16 bits (to nearest even, overflow to inf, as the
+// CPU's narrow), or as it is.
+template <class Stored, class Scalar>
+OVQ_HOST_DEVICE Stored element_of(Scalar x) {
+  if constexpr (is_half_bits_v<Stored>) {
+    return narrow<Stored>(x);
+  } else {
+    return x;
+  }
+}
 
 OVQ_HOST_DEVICE inline bool finite_bits(Bf16Bits x) { return (x.bits & 0x7f80u) != 0x7f80u; }
 OVQ_HOST_DEVICE inline bool finite_bits(Fp16Bits x) { return (x.bits & 0x7c00u) != 0x7c00u; }

@@ -17,12 +17,15 @@
 //                       dk x (dv + 1) (S and z). Cost: 2 L dk (dv + 1) per state.
 // The feature maps are the CPU's, with ovq's own exponential (core/exact_math.hpp) for elu + 1,
 // so the emulation gives the GPU's bits.
+// Stored: the element of q, o and the chunk's rows (16-bit bits: widened as they load, outputs
+// rounded once; (S, z) and every sum in float, on FP32 FMA, as the CPU's 16-bit mixer).
 #include <cstdint>
 
 #include "ovq/config.hpp"
 #include "ovq/core/exact_math.hpp"
 #include "ovq/cuda/block.hpp"
 #include "ovq/cuda/counters.hpp"
+#include "ovq/cuda/kernels/half.hpp"
 #include "ovq/cuda/kernels/read.hpp"
 #include "ovq/kernels/linear_chunk.hpp"
 
@@ -43,15 +46,15 @@ OVQ_HOST_DEVICE Scalar feature(FeatureMap map, Scalar x) {
   }
 }
 
-template <class Scalar>
+template <class Scalar, class Stored = Scalar>
 struct LinearParams {
-  HeadRows<Scalar> q;         // query head h = s * group + g, its rows of this call
-  MutableHeadRows<Scalar> o;
+  HeadRows<Stored> q;         // query head h = s * group + g, its rows of this call
+  MutableHeadRows<Stored> o;
   Index group = 1;
   Index n_queries = 0;
   Index query_heads = 0;
   Index dk = 0, dv = 0;
-  HeadRows<Scalar> keys, values;  // the pending chunk (raw keys) of each state
+  HeadRows<Stored> keys, values;  // the pending chunk (raw keys) of each state
   MutableHeadRows<Scalar> kv;     // S: state s, row k (dk rows of dv)
   MutableHeadRows<Scalar> k_sum;  // z: state s (row_stride unused)
   const Scalar* powers = nullptr;  // g^i, i in [0, L]
@@ -62,9 +65,9 @@ struct LinearParams {
   StateCounters* counters = nullptr;
 };
 
-template <class Scalar, int kD>
+template <class Scalar, int kD, class Stored = Scalar>
 struct LinearReadProgram {
-  using Params = LinearParams<Scalar>;
+  using Params = LinearParams<Scalar, Stored>;
   static constexpr int kThreads = 256;
   static constexpr int kRows = 16;
   static constexpr int kGroups = 16;
@@ -95,7 +98,7 @@ struct LinearReadProgram {
       for (int e = t; e < kRows * kD; e += kThreads) {
         const Index r = e / kD, c = e % kD;
         Scalar x = Scalar(0);
-        if (r < rows && c < p.dk) x = feature(p.map, p.q.row(h, r0 + r)[c]);
+        if (r < rows && c < p.dk) x = feature(p.map, compute_of(p.q.row(h, r0 + r)[c]));
         sh[kQ + r * kStride + c] = x;
         const Index i = first + r0 + r;
         sh[kW + r * kStride + c] = r < rows ? ovq::detail::mul_rn(p.powers[i + 1], x) : Scalar(0);
@@ -131,8 +134,8 @@ struct LinearReadProgram {
           const Index j = e / kD, c = e % kD;
           const bool in = k0 + j <= last;
           sh[kK + j * kStride + c] =
-              in && c < p.dk ? feature(p.map, p.keys.row(s, k0 + j)[c]) : Scalar(0);
-          sh[kV + j * kD + c] = in && c < p.dv ? p.values.row(s, k0 + j)[c] : Scalar(0);
+              in && c < p.dk ? feature(p.map, compute_of(p.keys.row(s, k0 + j)[c])) : Scalar(0);
+          sh[kV + j * kD + c] = in && c < p.dv ? compute_of(p.values.row(s, k0 + j)[c]) : Scalar(0);
         }
       });
       // Scores phi(q_i) . phi(k_j) g^(i-j) for j <= i, else 0.
@@ -173,25 +176,24 @@ struct LinearReadProgram {
       const int r = t / kGroups, kg = t % kGroups;
       if (r >= rows) return;
       Thread& me = th[t];
-      Scalar* out = p.o.row(h, r0 + r);
+      Stored* out = p.o.row(h, r0 + r);
       const Scalar d = sh[kDen + r] + p.eps;
       OVQ_UNROLL
       for (int c = 0; c < kCPT; ++c) {
         const Index col = kg + kGroups * c;
         if (col >= p.dv) continue;
-        if (!p.normalize) {
-          out[col] = ovq::detail::mul_rn(p.beta, me.acc[c]) + Scalar(0);
-        } else {
-          out[col] = d == Scalar(0) ? Scalar(0) : me.acc[c] / d + Scalar(0);
-        }
+        const Scalar x = !p.normalize   ? ovq::detail::mul_rn(p.beta, me.acc[c]) + Scalar(0)
+                         : d == Scalar(0) ? Scalar(0)
+                                          : me.acc[c] / d + Scalar(0);
+        out[col] = element_of<Stored>(x);
       }
     });
   }
 };
 
-template <class Scalar>
+template <class Scalar, class Stored = Scalar>
 struct LinearWriteProgram {
-  using Params = LinearParams<Scalar>;
+  using Params = LinearParams<Scalar, Stored>;
   static constexpr int kThreads = 256;
   static std::size_t shared_bytes(const Params&) { return 0; }
 
@@ -210,8 +212,9 @@ struct LinearWriteProgram {
       Scalar acc = ovq::detail::mul_rn(carry, *target);
       for (Index j = 0; j < L; ++j) {
         const Scalar w = p.powers[L - 1 - j];
-        const Scalar phi = feature(p.map, p.keys.row(s, j)[k]);
-        const Scalar u = col < p.dv ? ovq::detail::mul_rn(w, p.values.row(s, j)[col]) : w;
+        const Scalar phi = feature(p.map, compute_of(p.keys.row(s, j)[k]));
+        const Scalar u =
+            col < p.dv ? ovq::detail::mul_rn(w, compute_of(p.values.row(s, j)[col])) : w;
         acc = std::fma(phi, u, acc);
       }
       *target = acc;

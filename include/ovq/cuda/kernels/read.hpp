@@ -28,6 +28,7 @@
 // So prefill tiles (64 rows) and decode tiles (8 rows) give the same bits for a row, the
 // emulation gives the GPU's bits, and a query's output does not depend on its call.
 #include <cfloat>
+#include <cmath>
 #include <cstdint>
 
 #include "ovq/config.hpp"
@@ -124,6 +125,9 @@ struct ReadParams {
   // partials + (((s * tiles + tile) * grid_z + z) * kRows + r) * (kD + 2): the kD average
   // entries, then m and l.
   Scalar* partials = nullptr;
+  // Each query's log-sum-exp (data null: none): query head g of state s, position i at
+  // lse.row(s * group + g, i)[0].
+  MutableHeadRows<Scalar> lse;
   int tiles = 1;   // query tiles per state (grid.x)
   int splits = 1;  // grid.z
 
@@ -225,6 +229,14 @@ OVQ_HOST_DEVICE const typename Params::stored_type* slot_row(const Params& p, co
   }
   const Index j = x - axis.local_begin();
   return values ? p.local_values.row(s, j) : p.local_keys.row(s, j);
+}
+
+// A query's log-sum-exp from its softmax statistics: m + log l over the logits it saw, -inf
+// where it saw none (the CPU's). The logarithm is taken in double and rounded once.
+template <class Scalar>
+OVQ_HOST_DEVICE Scalar log_sum_exp(const SoftmaxStats<Scalar>& st) {
+  if (st.empty()) return -Scalar(INFINITY);
+  return st.m + static_cast<Scalar>(std::log(static_cast<double>(st.l)));
 }
 
 // An output entry: clamped to the element's finite range (an average of finite values only
@@ -542,6 +554,8 @@ struct ReadProgram {
           const Index col = kg + kGroups * c;
           if (col < p.dv) out[col] = output_entry<Scalar>(me.tot[i][c]);
         }
+        if (kg == 0 && p.lse.data != nullptr)
+          p.lse.row(s * p.group + rp.head, rp.position)[0] = log_sum_exp(me.st_tot[i]);
       }
     });
   }
@@ -607,6 +621,8 @@ struct MergeProgram {
         const Index col = kg + 16 * c;
         if (col < p.dv) out[col] = output_entry<Stored>(o[c]);
       }
+      if (kg == 0 && p.lse.data != nullptr)
+        p.lse.row(s * p.group + rp.head, rp.position)[0] = log_sum_exp(st);
     });
   }
 };

@@ -369,8 +369,9 @@ struct TensorReadProgram {
   // The outputs: the running result (0 where no key was visible), clamped and rounded.
   template <class Block, class Th>
   OVQ_HOST_DEVICE static void store(Block& block, const Params& p, const QueryTiling& qt,
-                                    Index tile, Index s, const Shared& sh, Th&) {
+                                    Index tile, Index s, const Shared& sh, Th& th) {
     block.each([&](int tid) {
+      const Thread& me = th[tid];
       OVQ_UNROLL
       for (int i = 0; i < 4; i += 2) {
         const int r = entry_row(tid, i);
@@ -385,6 +386,8 @@ struct TensorReadProgram {
             if (col < p.dv)
               out[col] = output_entry<Bits>(sh.floats[Traits::kTot + r * kD + col]);
           }
+        if (partial_slot(tid) == 0 && p.lse.data != nullptr)
+          p.lse.row(s * p.group + rp.head, rp.position)[0] = log_sum_exp(me.st_tot[i / 2]);
       }
     });
   }
