@@ -9,7 +9,8 @@
 //   fold_new_centroid     centroid r's scores against the chunk rows into their running
 //                         (nearest, assigned): the assignment's argmax, one centroid at a time
 //
-// Everything but centroids_to_open is OVQ_HOST_DEVICE: the CUDA write runs the same rules.
+// least_similar_unpicked, draw_seed_rows and fold_new_centroid are OVQ_HOST_DEVICE: the CUDA
+// write runs the same rules (it opens rows itself; the functions returning vectors are host code).
 #include <algorithm>
 #include <cstdint>
 #include <vector>

@@ -232,7 +232,8 @@ OVQ_HOST_DEVICE const typename Params::stored_type* slot_row(const Params& p, co
 }
 
 // A query's log-sum-exp from its softmax statistics: m + log l over the logits it saw, -inf
-// where it saw none (the CPU's). The logarithm is taken in double and rounded once.
+// where it saw none (the CPU's, to rounding: the logarithm is taken in double and rounded once,
+// so the GPU and the emulation agree but for the last bit of a double log).
 template <class Scalar>
 OVQ_HOST_DEVICE Scalar log_sum_exp(const SoftmaxStats<Scalar>& st) {
   if (st.empty()) return -Scalar(INFINITY);
