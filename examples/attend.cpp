@@ -457,7 +457,6 @@ std::optional<Config> parse_command_line(int argc, char** argv) {
   }
   if (has("--head-betas")) {
     cfg.head_betas = parse_double_list("--head-betas", value("--head-betas"));
-    if (cfg.cuda) throw UsageError("--head-betas: not with --device cuda (CPU mixers only)");
   }
   if (has("--storage")) {
     cfg.storage = parse_choice<std::string>(
@@ -758,6 +757,7 @@ RowMatrix<typename Mixer::scalar_type> drive(ovq::MultiHead<Mixer>& layer, const
     p.v = v.data();
     p.lengths = lengths;
     p.steps = cfg.stream;
+    p.head_betas = layer.head_betas();
     return attend_cuda::run(layer.mixer().options(), layer.states(), p);
   }
 #endif

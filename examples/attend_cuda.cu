@@ -69,7 +69,8 @@ RowMatrix<Scalar> drive(const Mixer& mixer, std::vector<HostState>& states,
 template <class Scalar>
 RowMatrix<Scalar> run(const ovq::SelfAttentionOptions& options,
                       std::vector<ovq::KvCache<Scalar>>& states, const Problem<Scalar>& p) {
-  const ovq::cuda::SelfAttention<Scalar> mixer(options);
+  ovq::cuda::SelfAttention<Scalar> mixer(options);
+  mixer.set_head_betas(p.head_betas, p.hkv);
   return drive(mixer, states, p, [&](cudaStream_t stream) {
     auto s = mixer.make_state(p.hkv, p.dk, p.dv, stream, states[0].size() + p.tokens);
     s.from_host(states, stream);
@@ -91,7 +92,8 @@ RowMatrix<Scalar> run(const ovq::LinearAttentionOptions& options,
 template <class Scalar>
 RowMatrix<Scalar> run(const ovq::VqAttentionOptions& options,
                       std::vector<ovq::VqState<Scalar>>& states, const Problem<Scalar>& p) {
-  const ovq::cuda::VqAttention<Scalar> mixer(options);
+  ovq::cuda::VqAttention<Scalar> mixer(options);
+  mixer.set_head_betas(p.head_betas, p.hkv);
   return drive(mixer, states, p, [&](cudaStream_t stream) {
     return typename ovq::cuda::VqAttention<Scalar>::State(states, stream);
   });
@@ -100,7 +102,8 @@ RowMatrix<Scalar> run(const ovq::VqAttentionOptions& options,
 template <class Scalar>
 RowMatrix<Scalar> run(const ovq::OvqOptions& options, std::vector<ovq::OvqState<Scalar>>& states,
                       const Problem<Scalar>& p) {
-  const ovq::cuda::OvqAttention<Scalar> mixer(options);
+  ovq::cuda::OvqAttention<Scalar> mixer(options);
+  mixer.set_head_betas(p.head_betas, p.hkv);
   return drive(mixer, states, p, [&](cudaStream_t stream) {
     auto s = mixer.make_state(p.hkv, p.dk, p.dv, stream);
     s.from_host(states, stream);

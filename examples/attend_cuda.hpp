@@ -17,6 +17,7 @@ struct Problem {
   const Scalar *q = nullptr, *k = nullptr, *v = nullptr;
   std::vector<std::int64_t> lengths;
   bool steps = false;
+  std::vector<double> head_betas;  // one per query head (self, VQ, OVQ), or none
 };
 
 // Self-attention for float, double, ovq::bf16 and ovq::fp16; the others for float and double.

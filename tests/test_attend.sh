@@ -631,6 +631,16 @@ elif r.returncode == 1:
         ok(r.returncode == 1 and "no CUDA device" in r.stderr,
            "--device cuda --storage bf16 (%s) without a GPU: exit %d, stderr %r"
            % (mixer, r.returncode, r.stderr))
+    # --head-betas go to the device too; bad ones are refused first, by the CPU layer's checks.
+    for mixer in ("self", "ovq"):
+        r = run([mixer, *base, "--head-betas", "0.5,1,2,3", "--device", "cuda", "--out",
+                 probe_out])
+        ok(r.returncode == 1 and "no CUDA device" in r.stderr,
+           "--device cuda --head-betas (%s) without a GPU: exit %d, stderr %r"
+           % (mixer, r.returncode, r.stderr))
+    r = run(["self", *base, "--head-betas", "1,1,-1,1", "--device", "cuda", "--out", probe_out])
+    ok(r.returncode == 1 and "betas[2]" in r.stderr and "no CUDA device" not in r.stderr,
+       "--device cuda --head-betas 1,1,-1,1: exit %d, stderr %r" % (r.returncode, r.stderr))
 else:
     ok(r.returncode == 0, "--device cuda: exit %d, stderr %r" % (r.returncode, r.stderr))
     for dtype in (np.float32, np.float64):
@@ -695,6 +705,18 @@ else:
                            "--chunk", 8, "--beta", 2.0, *args, "--device", "cuda", *way, what=what)
                 close(O, per_head(Qr, Kur, Vr, lambda q, k, v, g: ref_self(q, k, v, 2.0)), kind,
                       what)
+    # --head-betas: each query head's own scale, as on the CPU.
+    Qg, Kg, Vg = layouts(np.float32)[0][1:]
+    for mixer, opts in (("self", ["--chunk", 4]), ("ovq", ["--capacity", 12, "--chunk", 5]),
+                        ("ovq", ["--preset", "kvm-delta", "--capacity", 12, "--chunk", 5])):
+        betas = "0.5,0.5,2,2" if "kvm-delta" in opts else "0.5,1,2,3"
+        for way in ([], ["--stream"]):
+            what = "%s %s --head-betas %s cuda %s" % (mixer, opts, betas, way)
+            O = attend(mixer, Qg, Kg, Vg, *opts, "--head-betas", betas, "--device", "cuda", *way,
+                       what=what)
+            want = attend(mixer, Qg, Kg, Vg, *opts, "--head-betas", betas, *way, what=what + " cpu")
+            if want is not None:
+                close(O, want, np.float32, what)
 
 # Zero tokens is a valid (empty) sequence.
 for mixer in ("self", "linear", "ovq"):

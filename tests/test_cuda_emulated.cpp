@@ -1216,6 +1216,136 @@ TEMPLATE_TEST_CASE("cuda log-sum-exp output (emulated) == the CPU's: self, VQ an
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// One beta per query head
+// ---------------------------------------------------------------------------------------------
+
+TEMPLATE_TEST_CASE("cuda head betas (emulated) == the CPU layer's: self, VQ and OVQ (with the "
+                   "delta rule) over a batch of 2, any cut of the stream",
+                   "[cuda][mixers][head_betas]", float, bf16) {
+  using S = TestType;
+  const double bound = is_half_v<S> ? mixer_bound<S>() : tolerance<S>();
+  const Index batch = 2, hq = 4, hkv = 2, t = 90, dk = 32, dv = 16;
+  const Index states = batch * hkv;
+  // The CPU layer with `betas` against the device mixer with the same, over every cut; without
+  // them the device's outputs are far from the layer's (the betas are read).
+  const auto check = [&](auto& cpu, auto mixer, auto make_state, const Stream3<S>& in,
+                         const std::vector<double>& betas, auto check_state) {
+    const RowMatrix<S> plain = run_device(mixer, make_state(mixer), in, {}).o;
+    cpu.set_head_betas(betas);
+    mixer.set_head_betas(betas, hkv);
+    CHECK(mixer.head_betas() == betas);
+    const RowMatrix<S> expected = run_cpu(cpu, in);
+    CHECK(relative_error(as_double(plain), as_double(expected)) > 10 * bound);
+    for (const auto& cut : kCuts) {
+      const auto got = run_device(mixer, make_state(mixer), in, cut);
+      INFO("pieces " << cut.size());
+      CHECK(relative_error(as_double(got.o), as_double(expected)) < bound);
+      for (Index s = 0; s < states; ++s) check_state(got.states[s], cpu.state(s / hkv, s % hkv));
+    }
+  };
+  const std::vector<double> betas = {0.3, 1.1, 0.6, 1.7};
+  const auto equal = [](const auto& got, const auto& want) { CHECK(got == want); };
+  {
+    SelfAttentionOptions opt;
+    opt.chunk = 32;
+    MultiHead<SelfAttention<S>> cpu(SelfAttention<S>(opt), batch, hq, hkv, dk, dv);
+    check(cpu, cuda::BasicSelfAttention<S, Emulator>(opt),
+          [&](const auto& m) { return m.make_state(states, dk, dv); },
+          make_stream<S>(states, hq / hkv, t, dk, dv, 201), betas, equal);
+  }
+  {
+    VqAttentionOptions opt;
+    opt.chunk = 16;
+    const RowMatrix<S> codebook = random_rows<S>(24, dk, 203);
+    const VqAttention<S, arch::scalar> host(opt);
+    MultiHead<VqAttention<S, arch::scalar>> cpu(
+        host, batch, hq, std::vector<VqState<S>>(hkv, host.make_state(codebook, dv)));
+    check(cpu, cuda::BasicVqAttention<S, Emulator>(opt),
+          [&](const auto& m) { return m.make_state(states, codebook, dv); },
+          make_stream<S>(states, hq / hkv, t, dk, dv, 205), betas,
+          [](const VqState<S>& got, const VqState<S>& want) {
+            CHECK(got.absorbed() == want.absorbed());
+            if constexpr (!is_half_v<S>) CHECK(got == want);
+          });
+  }
+  for (const ValueUpdate update : {ValueUpdate::mean, ValueUpdate::delta}) {
+    OvqOptions opt;
+    opt.beta = 2.0;
+    opt.capacity = 40;
+    opt.chunk = 8;
+    opt.value_update = update;
+    const bool delta = update == ValueUpdate::delta;
+    // The delta rule's write reads with the beta its key/value head's query heads share.
+    const std::vector<double> ovq_betas =
+        delta ? std::vector<double>{0.7, 0.7, 3.1, 3.1} : std::vector<double>{0.9, 3.3, 1.4, 4.0};
+    MultiHead<OvqAttention<S, arch::scalar>> cpu(OvqAttention<S, arch::scalar>(opt), batch, hq,
+                                                  hkv, dk, dv);
+    INFO("delta " << delta);
+    check(cpu, cuda::BasicOvqAttention<S, Emulator>(opt),
+          [&](const auto& m) { return m.make_state(states, dk, dv); },
+          make_stream<S>(states, hq / hkv, t, dk, dv, 207, true), ovq_betas,
+          [&](const OvqState<S>& got, const OvqState<S>& want) {
+            if constexpr (is_half_v<S>) {
+              check_ovq_half_state(got, want, delta);
+            } else if (!delta) {
+              CHECK(got == want);
+            } else {
+              const Dictionary<S>& d = got.dictionary();
+              REQUIRE(d.size() == want.dictionary().size());
+              for (Index r = 0; r < d.size(); ++r)
+                CHECK(d.count(r) == want.dictionary().count(r));
+              CHECK(relative_error(as_eigen(d.values()), as_eigen(want.dictionary().values())) <
+                    bound);
+            }
+          });
+  }
+}
+
+TEST_CASE("cuda head betas (emulated): bad betas and calls that do not match them throw an "
+          "ArgumentError naming them, before anything runs",
+          "[cuda][errors][head_betas]") {
+  using S = float;
+  using ovq::test::MessageHas;
+  cuda::BasicSelfAttention<S, Emulator> self;
+  CHECK_THROWS_MATCHES(self.set_head_betas({1.0, 2.0, 3.0}, 2), ArgumentError,
+                       MessageHas({"set_head_betas", "kv_heads = 2", "divisor of the 3"}));
+  CHECK_THROWS_MATCHES(self.set_head_betas({1.0, -1.0}, 1), ArgumentError,
+                       MessageHas({"betas[1]"}));
+  CHECK_THROWS_MATCHES(self.set_head_betas(std::vector<double>(257, 1.0), 1), ArgumentError,
+                       MessageHas({"257 entries", "at most 256"}));
+  CHECK(self.head_betas().empty());  // a refused table leaves none
+  OvqOptions delta;
+  delta.value_update = ValueUpdate::delta;
+  cuda::BasicOvqAttention<S, Emulator> ovq(delta);
+  CHECK_THROWS_MATCHES(ovq.set_head_betas({1.0, 2.0, 1.0, 1.0}, 2), ArgumentError,
+                       MessageHas({"betas[1] = 2", "share"}));
+  CHECK_NOTHROW(ovq.set_head_betas({1.0, 1.0, 2.0, 2.0}, 2));
+
+  // Four query heads over two key/value heads: a call must have batch x 4 query heads over
+  // batch x 2 states.
+  self.set_head_betas({0.5, 1.0, 1.5, 2.0}, 2);
+  const Index dk = 8, dv = 8, t = 6;
+  const Stream3<S> in = make_stream<S>(3, 4, t, dk, dv, 209);
+  const Rows<S> q(in.q, 12, nullptr), k(in.k, 3, nullptr), v(in.v, 3, nullptr),
+      o(12, t, dv, nullptr);
+  auto odd = self.make_state(3, dk, dv);
+  CHECK_THROWS_MATCHES(self.forward(odd, q.view(), k.view(), v.view(), o.view()), ArgumentError,
+                       MessageHas({"the state has 3 heads", "multiple of the head betas' 2"}));
+  CHECK(odd.tokens() == 0);
+  auto two = self.make_state(2, dk, dv);
+  auto q8 = q.view();
+  q8.heads = 8;  // 2 states x 4 query heads each: twice the table's group
+  auto k2 = k.view(), v2 = v.view(), o8 = o.view();
+  k2.heads = v2.heads = 2;
+  o8.heads = 8;
+  CHECK_THROWS_MATCHES(self.forward(two, q8, k2, v2, o8), ArgumentError,
+                       MessageHas({"Q has 8 heads", "expected 4"}));
+  CHECK(two.tokens() == 0);
+  self.set_head_betas({}, 1);
+  CHECK(self.head_betas().empty());
+}
+
 }  // namespace
 
 }  // namespace ovq_test_cuda_emulated

@@ -71,14 +71,22 @@ RowMatrix<double> as_double(const RowMatrix<S>& m) {
 
 // The GPU run against the emulated run (bit for bit, or for 16-bit elements, whose tensor-core
 // sums round in the hardware's own order, within emulation_bound) and against `expected`
-// (normalised error); twice on the GPU for the same bits.
+// (normalised error); twice on the GPU for the same bits. head_betas: one per query head of
+// the batch of 1 (the in.heads key/value heads' query heads), or none.
 template <template <class, class> class Mixer, class S, class MakeState>
 void check_against_emulation(const typename Mixer<S, Device>::Options& options, MakeState make,
                              const Inputs<S>& in, const std::vector<Index>& pieces,
                              const RowMatrix<S>& expected, double bound,
-                             double emulation_bound = 0.0) {
-  const Mixer<S, Device> gpu(options);
-  const Mixer<S, Emulator> emulated(options);
+                             double emulation_bound = 0.0,
+                             const std::vector<double>& head_betas = {}) {
+  Mixer<S, Device> gpu(options);
+  Mixer<S, Emulator> emulated(options);
+  if constexpr (!std::is_same_v<Mixer<S, Device>, cuda::BasicLinearAttention<S, Device>>) {
+    if (!head_betas.empty()) {
+      gpu.set_head_betas(head_betas, in.heads);
+      emulated.set_head_betas(head_betas, in.heads);
+    }
+  }
   cudaStream_t stream;
   REQUIRE(cudaStreamCreate(&stream) == cudaSuccess);
   const auto on_gpu = run_on<Device>(gpu, make, in, pieces, stream);
@@ -377,6 +385,48 @@ TEMPLATE_TEST_CASE("GPU log-sum-exp output == its emulation", "[gpu][lse]", floa
     CHECK(relative_error(gpu, host) < bound);
   }
   cudaStreamDestroy(stream);
+}
+
+TEMPLATE_TEST_CASE("GPU head betas == their emulation and the CPU layer's: self and OVQ (the "
+                   "delta rule in float)",
+                   "[gpu][head_betas]", float, bf16) {
+  using S = TestType;
+  const bool half = is_half_v<S>;
+  const double cpu_bound = half ? 1.5e-2 : kFloatBound, emulation_bound = half ? 5e-3 : 0.0;
+  const Inputs<S> in = [] {
+    if constexpr (is_half_v<S>) {
+      return half_inputs<S>(2, 4, 700, 128, 128, 17, true);
+    } else {
+      return inputs<S>(2, 4, 700, 128, 128, 17, true);
+    }
+  }();
+  auto make = [](const auto& m, auto stream) { return m.make_state(2, 128, 128, stream); };
+  {
+    SelfAttentionOptions opt;
+    const std::vector<double> betas = {2.0, 4.0, 6.0, 8.0, 3.0, 5.0, 7.0, 9.0};
+    MultiHead<SelfAttention<S>> cpu(SelfAttention<S>(opt), 1, 8, 2, 128, 128);
+    cpu.set_head_betas(betas);
+    const RowMatrix<S> expected = cpu.forward(in.q, in.k, in.v);
+    for (const auto& cut : kCuts)
+      check_against_emulation<cuda::BasicSelfAttention, S>(opt, make, in, cut, expected,
+                                                           cpu_bound, emulation_bound, betas);
+  }
+  {
+    // 16-bit: the running-mean update, as the delta rule's tensor-core predictions round in
+    // the hardware's order and its value means would differ from the emulation's.
+    OvqOptions opt = half ? OvqOptions::kvm() : OvqOptions::kvm_delta();
+    opt.capacity = 256;
+    opt.chunk = 64;
+    const std::vector<double> betas = {3.0, 3.0, 3.0, 3.0, 6.0, 6.0, 6.0, 6.0};
+    MultiHead<OvqAttention<S, arch::scalar>> cpu(OvqAttention<S, arch::scalar>(opt), 1, 8, 2, 128,
+                                                  128);
+    cpu.set_head_betas(betas);
+    const RowMatrix<S> expected = cpu.forward(in.q, in.k, in.v);
+    // The delta rule's predictions are reads: equal to the CPU's to rounding only.
+    for (const auto& cut : kCuts)
+      check_against_emulation<cuda::BasicOvqAttention, S>(
+          opt, make, in, cut, expected, half ? cpu_bound : 1e-4, emulation_bound, betas);
+  }
 }
 
 TEST_CASE("GPU decode step captured in a CUDA graph and replayed == steps from the host",

@@ -20,6 +20,7 @@
 #include "ovq/cuda/buffer.hpp"
 #include "ovq/cuda/checks.hpp"
 #include "ovq/cuda/elements.hpp"
+#include "ovq/cuda/head_betas.hpp"
 #include "ovq/cuda/kernels/assign.hpp"
 #include "ovq/cuda/kernels/dictionary_write.hpp"
 #include "ovq/cuda/kernels/launch.hpp"
@@ -286,6 +287,17 @@ class BasicOvqAttention {
 
   const Options& options() const { return options_; }
 
+  // One beta per query head in place of the options' beta (head_betas.hpp; the CPU's
+  // MultiHead::set_head_betas): betas for the Hq query heads of one batch entry, which read
+  // kv_heads key/value heads; calls then have batch x Hq query heads over batch x kv_heads
+  // states. Empty betas: the options' beta for every head.
+  void set_head_betas(const std::vector<double>& betas, Index kv_heads) {
+    const bool write_reads = options_.value_update == ValueUpdate::delta;
+    head_betas_ = detail::HeadBetaTable::make<Scalar>("cuda::OvqAttention::set_head_betas", betas,
+                                                      kv_heads, write_reads);
+  }
+  const std::vector<double>& head_betas() const { return head_betas_.betas(); }
+
   // `heads` = batch x key/value heads.
   State make_state(Index heads, Index dk, Index dv, Stream stream = {}) const {
     return State(heads, options_.capacity, options_.chunk, dk, dv, options_.growth, stream);
@@ -368,6 +380,7 @@ class BasicOvqAttention {
     check_state(where, st);
     detail::check_call(where, st.heads(), st.key_dim(), st.value_dim(), q, k, v, o);
     if (lse != nullptr) detail::check_lse(where, *lse, *q);
+    head_betas_.check_call(where, st.heads(), q != nullptr ? q->heads : -1);
     st.begin_call(stream);
     const Index n = k.rows;
     if (n == 0) return;
@@ -422,6 +435,7 @@ class BasicOvqAttention {
     kernels::ReadParams<Compute, Stored> p = detail::read_params<Compute>(
         stored(q), stored(o), st.heads(), st.key_dim(), st.value_dim(), options_.beta,
         st.device_counters());
+    p.head_betas = head_betas_.for_queries<Compute>();
     p.source = kernels::ReadSource::dictionary;
     set_dictionary(st, p);
     p.local_keys = {st.pending_keys_.data(), st.chunk() * st.key_dim(), st.key_dim()};
@@ -449,6 +463,7 @@ class BasicOvqAttention {
       kernels::ReadParams<Compute, Stored> p = detail::read_params<Compute>(
           keys, out, st.heads(), st.key_dim(), st.value_dim(), options_.beta,
           st.device_counters());
+      p.head_betas = head_betas_.for_states<Compute>();
       p.source = kernels::ReadSource::dictionary_rows;
       p.causal = false;
       set_dictionary(st, p);
@@ -532,6 +547,7 @@ class BasicOvqAttention {
   }
 
   Options options_;
+  detail::HeadBetaTable head_betas_;
 };
 
 }  // namespace ovq::cuda

@@ -18,6 +18,7 @@
 #include "ovq/cuda/buffer.hpp"
 #include "ovq/cuda/checks.hpp"
 #include "ovq/cuda/elements.hpp"
+#include "ovq/cuda/head_betas.hpp"
 #include "ovq/cuda/kernels/launch.hpp"
 #include "ovq/cuda/kernels/read.hpp"
 #include "ovq/cuda/kernels/rows.hpp"
@@ -188,6 +189,16 @@ class BasicSelfAttention {
 
   const Options& options() const { return options_; }
 
+  // One beta per query head in place of the options' beta (head_betas.hpp; the CPU's
+  // MultiHead::set_head_betas): betas for the Hq query heads of one batch entry, which read
+  // kv_heads key/value heads; calls then have batch x Hq query heads over batch x kv_heads
+  // states. Empty betas: the options' beta for every head.
+  void set_head_betas(const std::vector<double>& betas, Index kv_heads) {
+    head_betas_ = detail::HeadBetaTable::make<Scalar>(
+        "cuda::SelfAttention::set_head_betas", betas, kv_heads, false);
+  }
+  const std::vector<double>& head_betas() const { return head_betas_.betas(); }
+
   // `heads` = batch x key/value heads; reserve_tokens: rows to hold before growing.
   State make_state(Index heads, Index dk, Index dv, Stream stream = {},
                    Index reserve_tokens = 0) const {
@@ -252,6 +263,7 @@ class BasicSelfAttention {
     check_state(where, st);
     detail::check_call(where, st.heads(), st.key_dim(), st.value_dim(), q, k, v, o);
     if (lse != nullptr) detail::check_lse(where, *lse, *q);
+    head_betas_.check_call(where, st.heads(), q != nullptr ? q->heads : -1);
     st.begin_call(stream);
     const Index n = k.rows;
     if (n == 0) return;
@@ -290,6 +302,7 @@ class BasicSelfAttention {
     kernels::ReadParams<Compute, Stored> p = detail::read_params<Compute>(
         stored(q), stored(o), st.heads(), st.key_dim(), st.value_dim(), options_.beta,
         st.device_counters());
+    p.head_betas = head_betas_.for_queries<Compute>();
     p.causal = options_.causal;
     p.window = options_.window;
     p.source = kernels::ReadSource::cache;
@@ -322,6 +335,7 @@ class BasicSelfAttention {
   }
 
   Options options_;
+  detail::HeadBetaTable head_betas_;
 };
 
 }  // namespace ovq::cuda

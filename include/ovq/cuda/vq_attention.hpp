@@ -19,6 +19,7 @@
 #include "ovq/cuda/buffer.hpp"
 #include "ovq/cuda/checks.hpp"
 #include "ovq/cuda/elements.hpp"
+#include "ovq/cuda/head_betas.hpp"
 #include "ovq/cuda/kernels/assign.hpp"
 #include "ovq/cuda/kernels/dictionary_write.hpp"
 #include "ovq/cuda/kernels/launch.hpp"
@@ -237,6 +238,16 @@ class BasicVqAttention {
 
   const Options& options() const { return options_; }
 
+  // One beta per query head in place of the options' beta (head_betas.hpp; the CPU's
+  // MultiHead::set_head_betas): betas for the Hq query heads of one batch entry, which read
+  // kv_heads key/value heads; calls then have batch x Hq query heads over batch x kv_heads
+  // states. Empty betas: the options' beta for every head.
+  void set_head_betas(const std::vector<double>& betas, Index kv_heads) {
+    head_betas_ = detail::HeadBetaTable::make<Scalar>(
+        "cuda::VqAttention::set_head_betas", betas, kv_heads, false);
+  }
+  const std::vector<double>& head_betas() const { return head_betas_.betas(); }
+
   // `heads` heads (batch x key/value heads) over one codebook (S x dk, finite).
   State make_state(Index heads, const ConstMatrixRef<Scalar>& codebook, Index dv,
                    Stream stream = {}) const {
@@ -313,6 +324,7 @@ class BasicVqAttention {
     check_state(where, st);
     detail::check_call(where, st.heads(), st.key_dim(), st.value_dim(), q, k, v, o);
     if (lse != nullptr) detail::check_lse(where, *lse, *q);
+    head_betas_.check_call(where, st.heads(), q != nullptr ? q->heads : -1);
     st.begin_call(stream);
     const Index n = k.rows;
     if (n == 0) return;
@@ -372,6 +384,7 @@ class BasicVqAttention {
         kernels::ReadParams<Compute, Stored> p = detail::read_params<Compute>(
             stored(q->middle_rows(pos, len)), stored(o->middle_rows(pos, len)), st.heads(),
             st.key_dim(), st.value_dim(), options_.beta, st.device_counters());
+        p.head_betas = head_betas_.for_queries<Compute>();
         p.source = kernels::ReadSource::dictionary;
         p.memory_keys = a.centroids;
         p.memory_values = {st.read_values(), st.codebook_size() * st.value_dim(), st.value_dim()};
@@ -436,6 +449,7 @@ class BasicVqAttention {
   }
 
   Options options_;
+  detail::HeadBetaTable head_betas_;
 };
 
 }  // namespace ovq::cuda

@@ -21,10 +21,11 @@
 // Cost: 2 rows (Nm' + Nl') (kD + kD) flops for Nm' + Nl' visible key slots per row, tile-granular.
 //
 // Determinism: every per-element operation is fixed whatever the tile shape, the launch or the
-// GPU: a score is one FMA chain over the features in order, times beta; a tile's row maximum is
-// exact; its row sum adds each thread's keys in order, then the 16 threads' partial sums in
-// order; the P V accumulation is one FMA chain per output entry over the tile's slots in order;
-// the exponentials are ovq's own (core/exact_math.hpp); merges use merge_weights/merge_entry.
+// GPU: a score is one FMA chain over the features in order, times its query head's beta; a
+// tile's row maximum is exact; its row sum adds each thread's keys in order, then the 16
+// threads' partial sums in order; the P V accumulation is one FMA chain per output entry over
+// the tile's slots in order; the exponentials are ovq's own (core/exact_math.hpp); merges use
+// merge_weights/merge_entry.
 // So prefill tiles (64 rows) and decode tiles (8 rows) give the same bits for a row, the
 // emulation gives the GPU's bits, and a query's output does not depend on its call.
 #include <cfloat>
@@ -90,6 +91,17 @@ struct ReadExtent {
   Index ring_start = 0;  // ring slot of memory row 0
 };
 
+// One logit scale per query head in place of ReadParams::beta (count 0: none). Query head h of a
+// launch (state s, group head g: h = s * group + g) scales by values[h % count], so `count`
+// scales serve every batch entry. Held by value in the parameters: a captured launch keeps the
+// scales it was captured with.
+template <class Scalar>
+struct HeadBetas {
+  static constexpr Index kMax = 256;
+  Scalar values[kMax] = {};
+  Index count = 0;
+};
+
 // Scalar: the arithmetic (beta, bias, partial states); Stored: the element of queries, outputs,
 // keys and values (Scalar itself, or a 16-bit element computed in float).
 template <class Scalar, class Stored = Scalar>
@@ -103,6 +115,7 @@ struct ReadParams {
   Index n_queries = 0;   // positions per query head
   Index dk = 0, dv = 0;  // <= the program's kD
   Scalar beta = Scalar(1);
+  HeadBetas<Scalar> head_betas;  // count > 0: these in place of beta
   bool causal = true;
   Index window = 0;
   ReadSource source = ReadSource::cache;
@@ -130,6 +143,14 @@ struct ReadParams {
   MutableHeadRows<Scalar> lse;
   int tiles = 1;   // query tiles per state (grid.x)
   int splits = 1;  // grid.z
+
+  // The logit scale of query head g of state s (in 32 bits: heads and counts are small, and a
+  // 64-bit remainder is a long instruction sequence on a GPU).
+  OVQ_HOST_DEVICE Scalar beta_of(Index s, Index g) const {
+    if (head_betas.count == 0) return beta;
+    const int head = static_cast<int>(s * group + g);
+    return head_betas.values[head % static_cast<int>(head_betas.count)];
+  }
 
   OVQ_HOST_DEVICE ReadExtent extent() const {
     ReadExtent e;
@@ -327,6 +348,7 @@ struct ReadProgram {
     Scalar s[kRPT][kKPT];    // this tile's scores, then weights
     SoftmaxStats<Scalar> st[kRPT], st_tot[kRPT];
     Scalar m_new[kRPT];
+    Scalar beta[kRPT];  // each row's logit scale
   };
 
   template <class Block>
@@ -370,6 +392,7 @@ struct ReadProgram {
       Thread& me = th[t];
       OVQ_UNROLL
       for (int i = 0; i < kRPT; ++i) {
+        me.beta[i] = p.beta_of(s, row_place(p, qt, tile, (t / kGroups) * kRPT + i).head);
         me.st[i] = SoftmaxStats<Scalar>{};
         me.st_tot[i] = SoftmaxStats<Scalar>{};
         OVQ_UNROLL
@@ -409,6 +432,7 @@ struct ReadProgram {
         const Index pos = ext.query_offset + rp.position;
         const Index lo = rp.valid ? axis.first(pos) : 1;
         const Index hi = rp.valid ? axis.last(pos) : 0;  // inclusive
+        const Scalar beta = me.beta[i];
         Scalar largest = -Scalar(INFINITY);
         OVQ_UNROLL
         for (int j = 0; j < kKPT; ++j) {
@@ -416,7 +440,7 @@ struct ReadProgram {
           const Scalar* k = sh + Traits::kK + key * Traits::kKStride;
           Scalar dot = Scalar(0);
           for (int c = 0; c < kD; ++c) dot = std::fma(q[c], k[c], dot);
-          Scalar x = ovq::detail::mul_rn(dot, p.beta);
+          Scalar x = ovq::detail::mul_rn(dot, beta);
           const Index slot = x0 + key;
           if (p.bias.data != nullptr && slot >= axis.memory_begin() && slot < axis.local_begin()) {
             const Scalar b = p.bias.row(s, slot - axis.pad)[0];

@@ -13,8 +13,8 @@
 //                                        grid.z > 1), as ReadProgram.
 //
 // Per key tile: K and V into shared memory; S = Q K^T on tensor cores (kD / 16 steps of 8
-// column tiles of 8 keys, split among the row's warps), times beta, saturated, masked; the row
-// maxima through shared memory;
+// column tiles of 8 keys, split among the row's warps), times the query head's beta, saturated,
+// masked; the row maxima through shared memory;
 // P = exp(S - m) rounded to 16 bits (row sums add the rounded weights, so l is the sum of the
 // weights the product uses); O += P V on tensor cores (64 / 16 steps of kD / 8 column tiles),
 // O unnormalised in registers, rescaled when a row's maximum moves. A finished merge block's
@@ -100,6 +100,7 @@ struct TensorReadProgram {
     float s[kS][4];  // this tile's scores, then weights
     SoftmaxStats<float> st[2], st_tot[2];
     float m_new[2];
+    float beta[2];  // the logit scale of each of the lane's two rows
   };
 
   struct Shared {
@@ -181,6 +182,7 @@ struct TensorReadProgram {
       Thread& me = th[t];
       OVQ_UNROLL
       for (int h = 0; h < 2; ++h) {
+        me.beta[h] = p.beta_of(s, row_place(p, qt, tile, entry_row(t, 2 * h)).head);
         me.st[h] = SoftmaxStats<float>{};
         me.st_tot[h] = SoftmaxStats<float>{};
       }
@@ -233,13 +235,14 @@ struct TensorReadProgram {
         const Index pos = ext.query_offset + rp.position;
         const Index lo = rp.valid ? axis.first(pos) : 1;
         const Index hi = rp.valid ? axis.last(pos) : 0;  // inclusive
+        const float beta = me.beta[h];
         float largest = -INFINITY;
         OVQ_UNROLL
         for (int n = 0; n < kS; ++n)
           OVQ_UNROLL
           for (int e = 0; e < 2; ++e) {
             const Index slot = x0 + key0 + 8 * n + entry_col(tid, e);
-            float x = ovq::detail::mul_rn(me.s[n][2 * h + e], p.beta);
+            float x = ovq::detail::mul_rn(me.s[n][2 * h + e], beta);
             if (p.bias.data != nullptr && slot >= axis.memory_begin() &&
                 slot < axis.local_begin()) {
               const float b = p.bias.row(s, slot - axis.pad)[0];
