@@ -1243,6 +1243,12 @@ TEMPLATE_TEST_CASE("cuda head betas (emulated) == the CPU layer's: self, VQ and 
       CHECK(relative_error(as_double(got.o), as_double(expected)) < bound);
       for (Index s = 0; s < states; ++s) check_state(got.states[s], cpu.state(s / hkv, s % hkv));
     }
+    // absorb writes what forward wrote (the delta rule's write reads with the betas too).
+    auto written = make_state(mixer);
+    const Rows<S> k(in.k, states, nullptr), v(in.v, states, nullptr);
+    mixer.absorb(written, k.view(), v.view(), nullptr);
+    const auto host = written.to_host(nullptr);
+    for (Index s = 0; s < states; ++s) check_state(host[s], cpu.state(s / hkv, s % hkv));
   };
   const std::vector<double> betas = {0.3, 1.1, 0.6, 1.7};
   const auto equal = [](const auto& got, const auto& want) { CHECK(got == want); };
@@ -1325,6 +1331,8 @@ TEST_CASE("cuda head betas (emulated): bad betas and calls that do not match the
   // Four query heads over two key/value heads: a call must have batch x 4 query heads over
   // batch x 2 states.
   self.set_head_betas({0.5, 1.0, 1.5, 2.0}, 2);
+  CHECK_THROWS_AS(self.set_head_betas({0.5, 0.0}, 1), ArgumentError);
+  CHECK(self.head_betas() == std::vector<double>{0.5, 1.0, 1.5, 2.0});  // kept
   const Index dk = 8, dv = 8, t = 6;
   const Stream3<S> in = make_stream<S>(3, 4, t, dk, dv, 209);
   const Rows<S> q(in.q, 12, nullptr), k(in.k, 3, nullptr), v(in.v, 3, nullptr),

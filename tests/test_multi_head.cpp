@@ -442,6 +442,13 @@ void check_head_betas(Mixer mixer, const std::vector<typename Mixer::State>& kv_
         CHECK(relative_error(head_rows(o, b * hq + head, t), want) <= tolerance<S>());
         if (j == 0) check_state_close(layer.state(b, g), st, tolerance<S>());
       }
+  // absorb writes what forward wrote: the delta rule's write predicts with each key/value
+  // head's own beta there too.
+  MultiHead<Mixer> writer(mixer, batch, hq, kv_states);
+  writer.set_head_betas(betas);
+  writer.absorb(k, v);
+  for (Index b = 0; b < batch; ++b)
+    for (Index g = 0; g < hkv; ++g) CHECK(writer.state(b, g) == layer.state(b, g));
   // Without head betas again: the mixer's beta.
   layer.set_head_betas({});
   CHECK(layer.head_betas().empty());

@@ -290,7 +290,8 @@ class BasicOvqAttention {
   // One beta per query head in place of the options' beta (head_betas.hpp; the CPU's
   // MultiHead::set_head_betas): betas for the Hq query heads of one batch entry, which read
   // kv_heads key/value heads; calls then have batch x Hq query heads over batch x kv_heads
-  // states. Empty betas: the options' beta for every head.
+  // states. Empty betas: the options' beta for every head. A captured graph keeps the betas it
+  // was captured with (they travel by value in the kernels' parameters).
   void set_head_betas(const std::vector<double>& betas, Index kv_heads) {
     const bool write_reads = options_.value_update == ValueUpdate::delta;
     head_betas_ = detail::HeadBetaTable::make<Scalar>("cuda::OvqAttention::set_head_betas", betas,
@@ -523,24 +524,12 @@ class BasicOvqAttention {
     d.order = WorkspaceLayout::at<Index>(ws, w.order);
     d.draws = WorkspaceLayout::at<Index>(ws, w.draws);
     d.opened = opened;
+    if constexpr (State::kSeparateMeans) {
+      d.read_keys = {st.keys_.data(), st.capacity() * st.key_dim(), st.key_dim()};
+      d.read_values = {st.values_.data(), st.capacity() * st.value_dim(), st.value_dim()};
+    }
     Backend::template launch<kernels::DictionaryWriteProgram<Compute, Stored>>(Grid{1, heads, 1},
                                                                                 d, stream);
-    if constexpr (State::kSeparateMeans) {
-      kernels::RefreshRowsParams<Stored> r;
-      r.mean_keys = {st.mean_keys_.data(), st.capacity() * st.key_dim(), st.key_dim()};
-      r.mean_values = {st.mean_values_.data(), st.capacity() * st.value_dim(), st.value_dim()};
-      r.keys = {st.keys_.data(), st.capacity() * st.key_dim(), st.key_dim()};
-      r.values = {st.values_.data(), st.capacity() * st.value_dim(), st.value_dim()};
-      r.dk = st.key_dim();
-      r.dv = st.value_dim();
-      r.counters = st.device_counters();
-      r.chunk = st.chunk();
-      r.opened = opened;
-      using Refresh = kernels::RefreshRowsProgram<Stored>;
-      Backend::template launch<Refresh>(
-          Grid{static_cast<int>((st.capacity() + Refresh::kRows - 1) / Refresh::kRows), heads, 1},
-          r, stream);
-    }
 
     detail::launch_counters<Backend>(st.device_counters(), kernels::CounterOp::complete, 0,
                                      st.chunk(), opened, stream);

@@ -10,8 +10,8 @@
 // (VqPushProgram), the queries read codebook and chunk (bias log c), and a complete chunk is
 // written into the counts and means (DictionaryWriteProgram, values only).
 // Element: float, double, or ovq::bf16 / ovq::fp16 (16-bit inputs, codebook, pending chunk and
-// value read rows, the mean values in float as on the CPU, rounded into the read rows after
-// each chunk's write by RefreshRowsProgram; reads on tensor cores).
+// value read rows, the mean values in float as on the CPU, the changed ones rounded into the
+// read rows by each chunk's write; reads on tensor cores).
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -241,7 +241,8 @@ class BasicVqAttention {
   // One beta per query head in place of the options' beta (head_betas.hpp; the CPU's
   // MultiHead::set_head_betas): betas for the Hq query heads of one batch entry, which read
   // kv_heads key/value heads; calls then have batch x Hq query heads over batch x kv_heads
-  // states. Empty betas: the options' beta for every head.
+  // states. Empty betas: the options' beta for every head. A captured graph keeps the betas it
+  // was captured with (they travel by value in the kernels' parameters).
   void set_head_betas(const std::vector<double>& betas, Index kv_heads) {
     head_betas_ = detail::HeadBetaTable::make<Scalar>(
         "cuda::VqAttention::set_head_betas", betas, kv_heads, false);
@@ -414,9 +415,10 @@ class BasicVqAttention {
         d.assigned = st.pending_codes_.data();
         d.picked = WorkspaceLayout::at<unsigned char>(ws, w.picked);
         d.order = WorkspaceLayout::at<Index>(ws, w.order);
+        if constexpr (State::kSeparateMeans)
+          d.read_values = {st.values_.data(), st.codebook_size() * st.value_dim(), st.value_dim()};
         Backend::template launch<kernels::DictionaryWriteProgram<Compute, Stored>>(
             Grid{1, heads, 1}, d, stream);
-        if constexpr (State::kSeparateMeans) refresh_values(st, stream);
         detail::launch_counters<Backend>(st.device_counters(), kernels::CounterOp::complete, 0,
                                          chunk, nullptr, stream);
         if (after.pending == chunk) {
@@ -427,21 +429,6 @@ class BasicVqAttention {
       pos += len;
     }
     st.end_call(after, stream);
-  }
-
-  // The 16-bit value rows rounded from the means the write updated (before the counters move).
-  static void refresh_values(State& st, Stream stream) {
-    kernels::RefreshRowsParams<Stored> r;
-    r.mean_values = {st.mean_values_.data(), st.codebook_size() * st.value_dim(), st.value_dim()};
-    r.values = {st.values_.data(), st.codebook_size() * st.value_dim(), st.value_dim()};
-    r.dv = st.value_dim();
-    r.counters = st.device_counters();
-    r.chunk = st.chunk();
-    using Refresh = kernels::RefreshRowsProgram<Stored>;
-    Backend::template launch<Refresh>(
-        Grid{static_cast<int>((st.codebook_size() + Refresh::kRows - 1) / Refresh::kRows),
-             static_cast<int>(st.heads()), 1},
-        r, stream);
   }
 
   static kernels::HeadRows<Stored> pending_values(const State& st) {

@@ -214,8 +214,9 @@ class MultiHead {
         grp.o.push_back(o.middle_rows(head * tokens, tokens));
         if (lse != nullptr) grp.lse.push_back(lse + head * tokens);
       }
+      // (An absorb reads no query heads, but the delta rule's write reads with its group's beta.)
       if (!head_betas_.empty())
-        grp.betas = head_betas_.data() + g * group_size;
+        grp.betas = head_betas_.data() + g * (query_heads_ / kv_heads_);
     }
     // Every state's input is checked before any state changes (the mixers' checks only read).
     auto check_state = [&](Index s) {

@@ -21,15 +21,18 @@
 //           existed before the chunk by its members' residuals against the prediction yhat,
 //           read before this program); then the counts; then (options) unit-norm keys and
 //           values
+//   publish (16-bit chunks) every row the chunk changed, the touched centroids and the opened
+//           rows, rounded from its float mean into the 16-bit read rows (the CPU's
+//           Dictionary::publish); the rows it did not change hold their rounded means already
 // Every step reads only what an earlier phase wrote, and nothing is accumulated with atomics:
 // the same bits on every run and in the emulation. A score of a new centroid is the
 // assignment's FMA chain (AssignProgram), so a row's centroid does not depend on whether it was
-// opened in this chunk. Cost: 2 L m dk (seeding) + L^2 / 256 (group) + O(L (dk + dv)).
+// opened in this chunk. Cost: 2 L m dk (seeding) + L^2 / 256 (group) + O((L + m) (dk + dv)).
 //
 // Input: the chunk's element. With 16-bit chunks the dictionary rows written here are the
-// float running means (16-bit rows widened, as on the CPU), and RefreshRowsProgram then rounds
-// them into the 16-bit rows the reads stream (state/dictionary_rows.hpp), OVQ's keys and values
-// or VQ's values.
+// float running means (16-bit rows widened, as on the CPU), and the publish step rounds the
+// changed ones into the 16-bit rows the reads stream (state/dictionary_rows.hpp), OVQ's keys and
+// values or VQ's values.
 #include <cstdint>
 
 #include "ovq/config.hpp"
@@ -78,6 +81,9 @@ struct DictionaryWriteParams {
   Index* order = nullptr;
   Index* draws = nullptr;
   std::int64_t* opened = nullptr;  // written by state 0: rows opened, schedule entries used
+  // 16-bit chunks: the read rows (capacity rows of each state; VQ: values only) the publish
+  // step rounds the changed means into; data null: none (float and double).
+  MutableHeadRows<Input> read_keys, read_values;
 };
 
 template <class Scalar, class Input = Scalar>
@@ -301,50 +307,33 @@ struct DictionaryWriteProgram {
           ovq::kernels::renormalize_row(dict.values.row(r), p.dv);
       }
     });
+    if constexpr (is_half_bits_v<Input>) {
+      if (p.read_values.data != nullptr) publish(block, p, s, dict, assigned, order, n0, m);
+    }
   }
-};
 
-// The 16-bit rows the reads stream, rounded from the float running means after a chunk's
-// write (the CPU's Dictionary::publish): rows [0, n + m) of every state, where n is the size
-// before the chunk and m the rows it opened (the counters are advanced after this; VQ opens
-// none), keys (OVQ) and values. Rows the write did not touch round to the bits they hold
-// already.
-// Block (x, s): rows [kRows x, kRows x + kRows) of state s, 256 threads over their entries.
-// Cost: (n + m) (dk + dv) conversions.
-template <class Bits>
-struct RefreshRowsParams {
-  HeadRows<float> mean_keys, mean_values;  // capacity rows of each state (VQ: no keys)
-  MutableHeadRows<Bits> keys, values;
-  Index dk = 0, dv = 0;
-  const StateCounters* counters = nullptr;
-  Index chunk = 0;                       // runs only when pending == chunk, as the write
-  const std::int64_t* opened = nullptr;  // DictionaryWriteProgram's (rows opened, ...); VQ: none
-};
-
-template <class Bits>
-struct RefreshRowsProgram {
-  using Params = RefreshRowsParams<Bits>;
-  static constexpr int kThreads = 256;
-  static constexpr int kRows = 16;
-  static std::size_t shared_bytes(const Params&) { return 0; }
-
+  // Slots [0, L): the first member of each touched centroid that existed before the chunk;
+  // slots [L, L + m): the opened rows n0 ... n0 + m - 1 (touched or not: a seed can lose its
+  // key to an older row). Each slot's key row (OVQ) and value row, rounded.
   template <class Block>
-  OVQ_HOST_DEVICE static void run(Block& block, const Params& p, BlockIndex index) {
-    const StateCounters& c = *p.counters;
-    if (c.fault != 0 || c.pending != p.chunk) return;
-    const Index s = index.y;
-    const Index rows = static_cast<Index>(c.size + (p.opened != nullptr ? p.opened[0] : 0));
-    const Index r0 = static_cast<Index>(index.x) * kRows;
-    const Index dk = p.keys.data != nullptr ? p.dk : 0;
+  OVQ_HOST_DEVICE static void publish(Block& block, const Params& p, Index s,
+                                      const DictionaryRows<Scalar>& dict, const Index* assigned,
+                                      const Index* order, Index n0, Index m) {
+    const Index L = p.chunk;
+    const Index dk = p.ovq ? p.dk : 0;
     const Index width = dk + p.dv;
     block.each([&](int t) {
-      for (Index e = t; e < kRows * width; e += kThreads) {
-        const Index r = r0 + e / width, col = e % width;
-        if (r >= rows) continue;
+      for (Index e = t; e < (L + m) * width; e += kThreads) {
+        const Index slot = e / width, col = e % width;
+        Index r = n0 + (slot - L);
+        if (slot < L) {
+          r = assigned[order[slot]];
+          if (r >= n0 || (slot > 0 && assigned[order[slot - 1]] == r)) continue;
+        }
         if (col < dk) {
-          p.keys.row(s, r)[col] = narrow<Bits>(p.mean_keys.row(s, r)[col]);
+          p.read_keys.row(s, r)[col] = narrow<Input>(dict.keys.row(r)[col]);
         } else {
-          p.values.row(s, r)[col - dk] = narrow<Bits>(p.mean_values.row(s, r)[col - dk]);
+          p.read_values.row(s, r)[col - dk] = narrow<Input>(dict.values.row(r)[col - dk]);
         }
       }
     });
