@@ -5,7 +5,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
+#include <vector>
 
 #include "ovq/core/error.hpp"
 #include "ovq/core/types.hpp"
@@ -146,6 +148,24 @@ void check_scalar_range(const char* where, const char* name, double value) {
     throw ArgumentError(concat(where, ": ", name, " = ", value, ", expected a value that the ",
                                sizeof(Scalar) == 4 ? "float" : "double",
                                " scalar type represents (finite and not rounded to 0)"));
+  }
+}
+
+// One beta per query head, query heads in groups of `group` per key/value head: each finite,
+// > 0 and in Element's range; with shared_by_group (a write that reads with beta: OVQ's delta
+// rule) equal within each group.
+template <class Element>
+void check_head_betas(const char* where, const std::vector<double>& betas, Index group,
+                      bool shared_by_group) {
+  for (std::size_t h = 0; h < betas.size(); ++h) {
+    const double b = betas[h];
+    const std::string name = concat("betas[", h, "]");
+    check_positive_finite(where, name.c_str(), b);
+    check_scalar_range<Element>(where, name.c_str(), b);
+    const std::size_t first = h - h % static_cast<std::size_t>(group);
+    require(!shared_by_group || b == betas[first], where, name, " = ", b, ", expected ",
+            betas[first], " (betas[", first,
+            "]: the query heads of a key/value head share the beta its write reads with)");
   }
 }
 

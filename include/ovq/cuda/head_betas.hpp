@@ -3,7 +3,6 @@
 // MultiHead::set_head_betas on the CPU: Hq betas for the query heads of one batch entry, which
 // read kv_heads key/value heads (Hq = kv_heads x group). A call's heads are batch x Hq query heads
 // over batch x kv_heads states, so the same Hq betas serve every batch entry.
-#include <string>
 #include <vector>
 
 #include "ovq/core/checks.hpp"
@@ -28,18 +27,7 @@ class HeadBetaTable {
                          " query heads on CUDA");
     ovq::detail::require(kv_heads >= 1 && hq % kv_heads == 0, where, "kv_heads = ", kv_heads,
                          ", expected a divisor of the ", hq, " query heads (one beta each)");
-    const Index group = hq / kv_heads;
-    for (Index h = 0; h < hq; ++h) {
-      const double b = betas[static_cast<std::size_t>(h)];
-      const std::string name = ovq::detail::concat("betas[", h, "]");
-      ovq::detail::check_positive_finite(where, name.c_str(), b);
-      ovq::detail::check_scalar_range<Scalar>(where, name.c_str(), b);
-      const double first = betas[static_cast<std::size_t>(h - h % group)];
-      ovq::detail::require(!shared_by_group || b == first, where, name, " = ", b, ", expected ",
-                           first, " (betas[", h - h % group,
-                           "]: the query heads of a key/value head share the beta its write "
-                           "reads with)");
-    }
+    ovq::detail::check_head_betas<Scalar>(where, betas, hq / kv_heads, shared_by_group);
     t.betas_ = betas;
     t.kv_heads_ = kv_heads;
     return t;
@@ -47,7 +35,6 @@ class HeadBetaTable {
 
   bool empty() const { return betas_.empty(); }
   const std::vector<double>& betas() const { return betas_; }
-  Index kv_heads() const { return kv_heads_; }
 
   // A call over `states` states (batch x kv_heads) with `query_heads` query heads (batch x Hq;
   // < 0: a call without queries).

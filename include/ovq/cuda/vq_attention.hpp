@@ -238,11 +238,8 @@ class BasicVqAttention {
 
   const Options& options() const { return options_; }
 
-  // One beta per query head in place of the options' beta (head_betas.hpp; the CPU's
-  // MultiHead::set_head_betas): betas for the Hq query heads of one batch entry, which read
-  // kv_heads key/value heads; calls then have batch x Hq query heads over batch x kv_heads
-  // states. Empty betas: the options' beta for every head. A captured graph keeps the betas it
-  // was captured with (they travel by value in the kernels' parameters).
+  // One beta per query head in place of the options' beta, as cuda::SelfAttention's
+  // set_head_betas (head_betas.hpp).
   void set_head_betas(const std::vector<double>& betas, Index kv_heads) {
     head_betas_ = detail::HeadBetaTable::make<Scalar>(
         "cuda::VqAttention::set_head_betas", betas, kv_heads, false);

@@ -10,7 +10,6 @@
 // (self, VQ and OVQ attention: a learnt per-head scale).
 // With OpenMP (the consumer compiles with -fopenmp), states run in parallel.
 #include <exception>
-#include <string>
 #include <utility>
 #include <vector>
 
@@ -83,19 +82,9 @@ class MultiHead {
                       "head betas");
       detail::require(static_cast<Index>(betas.size()) == query_heads_, where, "betas has ",
                       betas.size(), " entries, expected ", query_heads_, " (one per query head)");
-      const Index group = query_heads_ / kv_heads_;
-      for (Index h = 0; h < query_heads_; ++h) {
-        const double b = betas[static_cast<std::size_t>(h)];
-        const std::string name = detail::concat("betas[", h, "]");
-        detail::check_positive_finite(where, name.c_str(), b);
-        detail::check_scalar_range<Scalar>(where, name.c_str(), b);
-        const double first = betas[static_cast<std::size_t>(h - h % group)];
-        detail::require(!mixer_.write_uses_beta() || b == first, where, name, " = ", b,
-                        ", expected ", first, " (betas[", h - h % group,
-                        "]: the query heads of a key/value head share the beta its write "
-                        "reads with)");
-        scales.push_back(static_cast<Compute>(b));
-      }
+      detail::check_head_betas<Scalar>(where, betas, query_heads_ / kv_heads_,
+                                       mixer_.write_uses_beta());
+      for (const double b : betas) scales.push_back(static_cast<Compute>(b));
     }
     head_betas_ = std::move(scales);
   }
