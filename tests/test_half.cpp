@@ -3,6 +3,7 @@
 // element as they load it and compute in float), against the double references within the
 // bounds a 16-bit input allows, across cuts of the stream, through state files; and the
 // dictionaries' float running means, which keep moving where 16-bit rows would freeze.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -330,6 +331,49 @@ TEMPLATE_TEST_CASE("16-bit micro-kernels of every architecture widen their loads
     check_architecture<H, arch::avx512bf16>("avx512bf16 (fp16: as avx512)");
 #endif
   }
+}
+
+// The read holds its stacked queries in TileOps::Query (float where the kernels widen their
+// operands as they load them): the scores of a 16-bit query and of its widening are the same
+// bits, in every block shape, so widening once per tile changes nothing.
+template <class H, class Arch>
+void check_query_forms(const char* name) {
+  INFO("architecture " << name);
+  using Ops = kernels::TileOps<H, Arch>;
+  using Query = typename Ops::Query;
+  constexpr Index kTile = Ops::kKeyTile;
+  const Index bq = 7, d = 45;  // every register block (6, 4, 2, 1 rows) and a vector tail
+  const Inputs<H> in = inputs<H>(1, 1, std::max<Index>(bq, kTile), d, 1, 71);
+  std::vector<Query> q_held(static_cast<std::size_t>(bq * d));
+  kernels::copy_query(in.q.data(), bq * d, q_held.data());
+  const H* keys[kTile];
+  for (Index j = 0; j < kTile; ++j) keys[j] = in.k.data() + j * d;
+  std::vector<float> from_elements(static_cast<std::size_t>(bq * kTile));
+  std::vector<float> from_queries(from_elements.size());
+  Ops::scores_rows(in.q.data(), d, bq, keys, d, 0.75f, from_elements.data());
+  Ops::scores_rows(q_held.data(), d, bq, keys, d, 0.75f, from_queries.data());
+  CHECK(std::memcmp(from_elements.data(), from_queries.data(),
+                    from_elements.size() * sizeof(float)) == 0);
+}
+
+TEMPLATE_TEST_CASE("16-bit score kernels: a query held widened scores the same bits as the "
+                   "query itself",
+                   "[half][arch]", bf16, fp16) {
+  using H = TestType;
+  check_query_forms<H, arch::scalar>("scalar");
+#if defined(OVQ_ARCH_AVX2)
+  check_query_forms<H, arch::avx2>("avx2");
+  check_query_forms<H, ovq::test::emulated_avx512>("avx512 (emulated)");
+  if constexpr (std::is_same_v<H, bf16>) {
+    check_query_forms<H, ovq::test::emulated_avx512bf16>("avx512bf16 (emulated)");
+  }
+#endif
+#if defined(OVQ_ARCH_AVX512)
+  check_query_forms<H, arch::avx512>("avx512");
+#endif
+#if defined(OVQ_ARCH_AVX512BF16)
+  check_query_forms<H, arch::avx512bf16>("avx512bf16");
+#endif
 }
 
 #if defined(OVQ_ARCH_AVX2)

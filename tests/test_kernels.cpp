@@ -644,7 +644,7 @@ TEMPLATE_TEST_CASE("read kernel: rows at any address give the same bits; scratch
   // The scratch starts on Eigen's widest vector for any shape (that is its point).
   for (Index rows : {1, 4, 64})
     for (Index width : {Index(1), d, Index(128)}) {
-      kernels::read_detail::TileBuffers<TestType> buf(rows, width, width, 32);
+      kernels::read_detail::TileBuffers<TestType, TestType> buf(rows, width, width, 32);
       CAPTURE(rows, width);
       CHECK(reinterpret_cast<std::uintptr_t>(buf.q.data()) % EIGEN_MAX_ALIGN_BYTES == 0);
       CHECK(reinterpret_cast<std::uintptr_t>(buf.scores.data()) % EIGEN_MAX_ALIGN_BYTES == 0);

@@ -88,6 +88,7 @@ inline bf16 to_bf16_flushed(float x) { return narrow<bf16>(flush_denormal(x)); }
 
 struct EmulatedBf16PairDot {
   static constexpr Index kStep = 32;
+  using Query = bf16;
   struct Operand {
     bf16 x[32];
   };

@@ -74,12 +74,12 @@ void assign_nearest(ConstRowsView<Element> x, ConstRowsView<Element> centroids,
     arg[i] = -1;
   }
   if (n == 0 || x.rows == 0) return;
-  AlignedVector<Element> x_rows(static_cast<std::size_t>(kRows * d));
+  AlignedVector<typename Ops::Query> x_rows(static_cast<std::size_t>(kRows * d));
   AlignedVector<Scalar> scores(static_cast<std::size_t>(kRows * kTile));
   for (Index i0 = 0; i0 < x.rows; i0 += kRows) {
     const Index bq = std::min(kRows, x.rows - i0);
     for (Index i = 0; i < bq; ++i)
-      std::copy(x.row(i0 + i), x.row(i0 + i) + d, x_rows.data() + i * d);
+      copy_query(x.row(i0 + i), d, x_rows.data() + i * d);
     for (Index r0 = 0; r0 < n; r0 += kTile) {
       const Index br = std::min(kTile, n - r0);
       // Slots past the last centroid repeat centroid r0; their scores are not looked at.

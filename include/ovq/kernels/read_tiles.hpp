@@ -89,11 +89,12 @@ void tile_values(const KeyAxis<Element>& axis, Index tile, const Element* values
     if (values[j] == nullptr) values[j] = any;
 }
 
-// Per-thread tile state.
-template <class Element>
+// Per-thread tile state. Query: what the micro-kernels take the stacked queries in
+// (TileOps::Query; a 16-bit query is widened here once instead of once per key).
+template <class Element, class Query>
 struct TileBuffers {
   using Compute = compute_t<Element>;
-  AlignedVector<Element> q;
+  AlignedVector<Query> q;
   AlignedVector<Compute> scores, acc;
   std::vector<SoftmaxStats<Compute>> stats;
   TileStream<Element> stream;
@@ -124,8 +125,8 @@ struct TileBuffers {
 // NoPacing.
 template <class Element, class Ops, class Pacing>
 void fold_key_tile(const KeyAxis<Element>& axis, Index tile, Index p0, Index heads, Index bq,
-                   Index dk, Index dv, compute_t<Element> beta, TileBuffers<Element>& buf,
-                   Pacing pacing) {
+                   Index dk, Index dv, compute_t<Element> beta,
+                   TileBuffers<Element, typename Ops::Query>& buf, Pacing pacing) {
   using Compute = compute_t<Element>;
   constexpr bool kStream = std::is_same_v<Pacing, StreamPacing<Element>>;
   constexpr Index kTile = Ops::kKeyTile;
@@ -210,7 +211,7 @@ class TileReader {
   static constexpr Index kTile = Ops::kKeyTile;
   static constexpr Index kTilesPerBlock = kBlockKeys / kTile;
   static_assert(kBlockKeys % kTile == 0, "merge blocks hold whole key tiles");
-  using Buffers = TileBuffers<Element>;
+  using Buffers = TileBuffers<Element, typename Ops::Query>;
   using Compute = compute_t<Element>;
 
   TileReader(const ConstRowsView<Element>* q, Index heads, const MemoryRows<Element>& memory,
@@ -273,8 +274,7 @@ class TileReader {
     const Index np = tile_rows(tile) / heads_;
     for (Index i = 0; i < np; ++i)
       for (Index h = 0; h < heads_; ++h)
-        std::copy(q_[h].row(i0 + i), q_[h].row(i0 + i) + dk_,
-                  buf.q.data() + (i * heads_ + h) * dk_);
+        copy_query(q_[h].row(i0 + i), dk_, buf.q.data() + (i * heads_ + h) * dk_);
   }
 
   // Folds key tiles [first, last] (all in one merge block) into buf, from an empty state.

@@ -22,6 +22,8 @@
 // fixed tree. The key rows are read in place: a decode step scores each key once, so there is
 // nothing to gain from packing them first. scores_packed is one chain per score in feature order
 // (bitwise the portable scores_rows).
+// scores_rows takes its queries in TileOps::Query (float for every kernel that widens its
+// operands before multiplying, so the read widens a 16-bit query once per tile) or in the element.
 // scores_rows and accumulate take a pacing hook (NoPacing below by default), through which a
 // decode issues its prefetches between register blocks.
 // TileOps<Scalar, arch::scalar> is plain C++ and always available. The SIMD versions (float,
@@ -30,6 +32,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "ovq/core/types.hpp"
@@ -67,6 +70,19 @@ inline Scalar fused_multiply_add(Scalar a, Scalar b, Scalar c) {
 #endif
 }
 
+// A query row in the micro-kernels' query type (TileOps::Query): the element itself, or its
+// compute type (the exact widening). Cost: n copies.
+template <class Element, class Query>
+inline void copy_query(const Element* x, Index n, Query* out) {
+  static_assert(std::is_same_v<Query, Element> || std::is_same_v<Query, compute_t<Element>>,
+                "a query row is held in its element or its compute type");
+  if constexpr (std::is_same_v<Query, Element>) {
+    std::copy(x, x + n, out);
+  } else {
+    for (Index c = 0; c < n; ++c) out[c] = widen(x[c]);
+  }
+}
+
 // For the users of scores_packed: K (n x d) -> panels of kTile keys, each d x kTile (key index
 // fastest), zero-padded. Cost: n d copies.
 template <class Scalar, Index kTile>
@@ -94,6 +110,8 @@ struct TileOps<Element, arch::scalar> {
   static constexpr Index kKeyTile = 64;
   // P V by accumulate() over each segment of a tile (see accumulate_tile below for the other way).
   static constexpr bool kPairedValues = false;
+  // What the read holds its stacked queries in (Query below): widened once per tile.
+  using Query = Compute;
 
   // Cost: 2 bq kKeyTile d flops.
   static void scores_packed(const Compute* q, Index q_stride, Index bq, const Compute* panel,
@@ -111,12 +129,13 @@ struct TileOps<Element, arch::scalar> {
     }
   }
 
-  // keys[j] (d entries each, all non-null). Cost: 2 bq kKeyTile d flops.
-  template <class Pacing = NoPacing>
-  static void scores_rows(const Element* q, Index q_stride, Index bq, const Element* const* keys,
+  // keys[j] (d entries each, all non-null); q holds Elements or Queries (the same values).
+  // Cost: 2 bq kKeyTile d flops.
+  template <class Q, class Pacing = NoPacing>
+  static void scores_rows(const Q* q, Index q_stride, Index bq, const Element* const* keys,
                           Index d, Compute beta, Compute* s, Pacing pacing = {}) {
     for (Index i = 0; i < bq; ++i) {
-      const Element* qi = q + i * q_stride;
+      const Q* qi = q + i * q_stride;
       for (Index j = 0; j < kKeyTile; ++j) {
         pacing.advance(2 * d);
         const Element* kj = keys[j];
@@ -395,8 +414,12 @@ template <class V, class E>
 struct FmaDot {
   static constexpr Index kStep = V::kWidth;
   using Operand = typename V::reg;
-  static Operand load(const E* p) { return V::load(p); }
-  static Operand load_first(const E* p, Index n) { return V::load_first(p, n); }
+  // Queries held in float: a 16-bit key is widened as it is loaded, a query once per tile.
+  using Query = float;
+  template <class H>
+  static Operand load(const H* p) { return V::load(p); }
+  template <class H>
+  static Operand load_first(const H* p, Index n) { return V::load_first(p, n); }
   static typename V::reg madd(Operand q, Operand k, typename V::reg acc) {
     return V::fmadd(q, k, acc);
   }
@@ -406,6 +429,7 @@ struct FmaDot {
 struct Bf16PairDot {
   static constexpr Index kStep = 32;
   using Operand = __m512bh;
+  using Query = bf16;  // vdpbf16ps takes both operands in bf16
   static Operand load(const bf16* p) {
     return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p));
   }
@@ -580,6 +604,8 @@ template <class V, class E = float, class Dot = FmaDot<V, E>>
 struct SimdTileOps {
   using Compute = float;
   static constexpr bool kPairedValues = false;
+  // What the read holds its stacked queries in (Dot::Query).
+  using Query = typename Dot::Query;
   static constexpr Index W = V::kWidth;
   static constexpr Index kKeyTile = 4 * W;  // one score row is 4 vectors
   using reg = typename V::reg;
@@ -624,8 +650,8 @@ struct SimdTileOps {
     reg at[N];
   };
 
-  template <int R, int C>
-  static Products<R * C> dot_products(const E* q, Index q_stride, const E* const* keys,
+  template <int R, int C, class Q>
+  static Products<R * C> dot_products(const Q* q, Index q_stride, const E* const* keys,
                                       Index d) {
     const E* key[C];
     OVQ_UNROLL
@@ -678,9 +704,10 @@ struct SimdTileOps {
   // pipes (2 keys + 1 query row + 12 accumulators fit AVX2's 16 registers). A single row (a
   // decode step, streaming its keys from memory) reads the keys one after the other, in address
   // order, which is what the hardware prefetcher follows.
+  // q holds Es or Querys (the same values; Querys save widening a 16-bit query for every key).
   // Cost: 2 bq kKeyTile d flops.
-  template <class Pacing = NoPacing>
-  static void scores_rows(const E* q, Index q_stride, Index bq, const E* const* keys,
+  template <class Q, class Pacing = NoPacing>
+  static void scores_rows(const Q* q, Index q_stride, Index bq, const E* const* keys,
                           Index d, float beta, float* s, Pacing pacing = {}) {
     Index i = 0;
     for (; i + 6 <= bq; i += 6) {
