@@ -128,7 +128,14 @@ int main(int argc, char** argv) {
   cudaStream_t stream;
   check(cudaStreamCreate(&stream), "cudaStreamCreate");
   const Index scale = quick ? 4 : 1;
-  std::vector<Row> rows;
+  // Each row is also printed as it is measured, so a run cut short still reports its rows.
+  struct Rows : std::vector<Row> {
+    void push_back(Row r) {
+      std::printf("measured: %s: %.3f ms, %.3f %s\n", r.name.c_str(), r.ms, r.value, r.rate.c_str());
+      std::fflush(stdout);
+      std::vector<Row>::push_back(std::move(r));
+    }
+  } rows;
 
   // ---- ceilings ----
   const std::size_t copy_bytes = std::size_t(2) << 30;
