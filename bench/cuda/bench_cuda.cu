@@ -19,6 +19,8 @@
 //   ovq_decode_graph_f32 one OVQ decode step at capacity (N = 2048, d = 128, H = 32) replayed
 //                        from a CUDA graph
 //   ovq_decode_graph_bf16  the same over a bf16 dictionary
+// with, for the OVQ cases, the writes' share of the prefill (the same stream absorbed, no
+// reads) and a decode's median step (reads only) and slowest step (the chunk's write).
 // --quick divides the lengths by 4 (a smoke run). Output: one table on stdout, and JSON lines.
 #include <cublas_v2.h>
 
@@ -274,6 +276,11 @@ int main(int argc, char** argv) {
       mixer.forward(state, heads<const E>(q, h, t, d), heads<const E>(k, h, t, d),
                     heads<const E>(v, h, t, d), heads(o, h, t, d), stream);
     });
+    // The same stream written only (no queries, so no reads): the dictionary writes' share.
+    const double write_ms = time_ms(stream, 1, [&] {
+      auto state = mixer.make_state(h, d, d, stream);
+      mixer.absorb(state, heads<const E>(k, h, t, d), heads<const E>(v, h, t, d), stream);
+    });
     cudaFree(q);
     cudaFree(k);
     cudaFree(v);
@@ -281,6 +288,8 @@ int main(int argc, char** argv) {
     double self_t_ms = 0;
     self_prefill(t, &self_t_ms, E{});
     rows.push_back({name, "x faster than self", "self", ms, self_t_ms / ms, self_t_ms / ms / 4.0});
+    rows.push_back({std::string(name) + ": writes only (absorb)", "share of prefill", "-", write_ms,
+                    write_ms / ms, write_ms / ms});
   };
   ovq_prefill("ovq_prefill_f32 T=32768 N=2048 L=128 H=32", float{});
   ovq_prefill("ovq_prefill_bf16 T=32768 N=2048 L=128 H=32", bf16{});
@@ -316,6 +325,28 @@ int main(int argc, char** argv) {
     });
     const double us = ms * 1000.0 / replays;
     rows.push_back({name, "us per step", "20 us", ms, us, 20.0 / us});
+    // Each replay timed alone: the median is a step that only reads, the slowest one writes
+    // its chunk.
+    std::vector<cudaEvent_t> marks(replays + 1);
+    for (auto& e : marks) cudaEventCreate(&e);
+    cudaEventRecord(marks[0], stream);
+    for (int r = 0; r < replays; ++r) {
+      cudaGraphLaunch(exec, stream);
+      cudaEventRecord(marks[r + 1], stream);
+    }
+    check(cudaEventSynchronize(marks[replays]), "replays");
+    std::vector<double> step_us(replays);
+    for (int r = 0; r < replays; ++r) {
+      float step_ms = 0;
+      cudaEventElapsedTime(&step_ms, marks[r], marks[r + 1]);
+      step_us[r] = step_ms * 1000.0;
+    }
+    for (auto& e : marks) cudaEventDestroy(e);
+    std::sort(step_us.begin(), step_us.end());
+    rows.push_back({std::string(name) + ": median step (read only)", "us", "-",
+                    step_us[replays / 2] / 1000.0, step_us[replays / 2], 1.0});
+    rows.push_back({std::string(name) + ": slowest step (chunk write)", "us", "-",
+                    step_us.back() / 1000.0, step_us.back(), 1.0});
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
     cudaFree(k);

@@ -12,12 +12,14 @@
 //   MergeProgram  the split mode's merge: per stacked row, the blocks' partial states in order.
 //
 // Tile shapes (ReadTraits): kRows stacked rows (query heads of a grouped-query group x
-// positions) by key tiles of kKeyTile slots (64 float, 32 double), features padded with zeros
-// to the compile-time width kD (32, 64, 128 or 256). Thread t of kThreads owns the rows
-// (t / 16) kRowsPerThread + i, the key slots t % 16 + 16 j of each tile and the output columns
-// t % 16 + 16 c. Shared memory: Q (kRows x kD), K (kKeyTile x kD), V (kKeyTile x kD), P^T and
-// two reduction arrays; registers: the rows' accumulators (kRowsPerThread x kD / 16), in loop
-// mode twice (the merged blocks and the current one).
+// positions) by key tiles of kKeyTile slots (64 float, 32 double; half that at width 256),
+// features padded with zeros to the compile-time width kD (32, 64, 128 or 256). Thread t of
+// kThreads owns the rows (t / 16) kRowsPerThread + i, the key slots t % 16 + 16 j of each tile
+// and the output columns ReadTraits::column(t % 16, c) (runs of 16 bytes). Shared memory: Q
+// (kRows x kD), K (kKeyTile x kD), V (kKeyTile x kD), P^T and two reduction arrays, Q and K
+// read 16 bytes at a time; keys and values staged asynchronously one tile ahead
+// (async_copy.hpp); registers: the rows' accumulators (kRowsPerThread x kD / 16), in loop mode
+// twice (the merged blocks and the current one).
 // Cost: 2 rows (Nm' + Nl') (kD + kD) flops for Nm' + Nl' visible key slots per row, tile-granular.
 //
 // Determinism: every per-element operation is fixed whatever the tile shape, the launch or the
@@ -38,6 +40,7 @@
 #include "ovq/core/views.hpp"
 #include "ovq/cuda/block.hpp"
 #include "ovq/cuda/counters.hpp"
+#include "ovq/cuda/kernels/async_copy.hpp"
 #include "ovq/cuda/kernels/half.hpp"
 #include "ovq/kernels/read_contract.hpp"
 
@@ -178,7 +181,9 @@ template <class Scalar, int kD, int kRows>
 struct ReadTraits {
   static_assert(kD % 16 == 0 && kD >= 16, "head widths are multiples of 16");
   static constexpr int kThreads = kRows >= 32 ? 256 : 128;
-  static constexpr int kKeyTile = sizeof(Scalar) == 4 ? 64 : 32;
+  // Key tiles: 64 slots in float, 32 in double, half that at width 256 (so that the tiles fit
+  // an sm_80's shared memory).
+  static constexpr int kKeyTile = (sizeof(Scalar) == 4 ? 64 : 32) / (kD > 128 ? 2 : 1);
   static constexpr int kGroups = 16;  // key groups per row group, and column groups
   static constexpr int kKeysPerThread = kKeyTile / kGroups;
   static constexpr int kRowGroups = kThreads / kGroups;
@@ -186,11 +191,18 @@ struct ReadTraits {
   static constexpr int kColsPerThread = kD / kGroups;
   static_assert(kRows % kRowGroups == 0, "rows divide among the row groups");
   static_assert(kBlockKeys % kKeyTile == 0, "merge blocks hold whole key tiles");
-  // Shared memory, in scalars. Rows of Q and K are padded by one scalar, so that the 16 keys a
-  // half-warp scores at one feature fall in 16 different banks; P is stored transposed (slot x
-  // row), padded likewise.
-  static constexpr int kQStride = kD + 1;
-  static constexpr int kKStride = kD + 1;
+  // 16 bytes of scalars: a staged piece of a row, and a vector load of shared memory.
+  static constexpr int kVec = static_cast<int>(16 / sizeof(Scalar));
+  // A thread's output columns come in runs of kOutVec: column c of thread kg is
+  // (c / kOutVec) (16 kOutVec) + kg kOutVec + c % kOutVec, so that the 16 threads of a row
+  // group read 16 consecutive runs of a value row.
+  static constexpr int kOutVec = kColsPerThread < kVec ? kColsPerThread : kVec;
+  static_assert(kThreads % (kD / kVec) == 0, "staging passes cover whole rows");
+  // Shared memory, in scalars. Rows of Q and K are padded by one piece, so that the 16-byte
+  // loads of 8 consecutive keys at one feature fall in 8 different bank quads; P is stored
+  // transposed (slot x row), padded by one scalar.
+  static constexpr int kQStride = kD + kVec;
+  static constexpr int kKStride = kD + kVec;
   static constexpr int kPStride = kRows + 1;
   static constexpr int kQ = 0;
   static constexpr int kK = kQ + kRows * kQStride;
@@ -199,6 +211,10 @@ struct ReadTraits {
   static constexpr int kRedMax = kP + kKeyTile * kPStride;
   static constexpr int kRedSum = kRedMax + kRows * kGroups;
   static constexpr int kShared = kRedSum + kRows * kGroups;
+
+  OVQ_HOST_DEVICE static constexpr int column(int kg, int c) {
+    return (c / kOutVec) * (kGroups * kOutVec) + kg * kOutVec + c % kOutVec;
+  }
 };
 
 // The stacked rows of query tile `tile`: heads_per_tile heads of the group times
@@ -291,7 +307,48 @@ struct TileSweep {
     const Index hi = (b + 1) * tiles_per_block - 1, seen = slots.last / key_tile;
     return hi < seen ? hi : seen;
   }
+  // The tile folded after tile t of block b (the next block's first), or -1 after the last.
+  OVQ_HOST_DEVICE Index next_tile(Index b, Index t) const {
+    if (t < last_tile(b)) return t + 1;
+    return b < last_block ? first_tile(b + 1) : -1;
+  }
 };
+
+// Issues the asynchronous copies (async_copy.hpp) of thread tid's pieces of key tile
+// [x0, x0 + key_tile) of the axis, keys or values, into shared memory at dst (row stride
+// `stride`; zeros for empty slots and past d): piece tid % (kD / kVec) of rows tid / (kD / kVec)
+// + passes, so that one row's pointer serves several pieces.
+template <int kThreads, int kD, class Params>
+OVQ_HOST_DEVICE void stage_key_tile(int tid, const Params& p, const ReadExtent& ext,
+                                    const KeyAxisGeometry& axis, Index s, Index x0, int key_tile,
+                                    bool values, typename Params::stored_type* dst, int stride) {
+  using Stored = typename Params::stored_type;
+  constexpr int kVec = static_cast<int>(16 / sizeof(Stored));
+  constexpr int kPieces = kD / kVec;
+  constexpr int kRowsPerPass = kThreads / kPieces;
+  const int c = (tid % kPieces) * kVec;
+  const Index d = values ? p.dv : p.dk;
+  for (int j = tid / kPieces; j < key_tile; j += kRowsPerPass)
+    copy_piece_async(dst + j * stride + c, slot_row(p, ext, axis, s, x0 + j, values), c, d,
+                     p.aligned_rows);
+}
+
+// Issues thread tid's copies of the tile's query rows into shared memory at dst (row stride
+// `stride`; zeros past dk and for rows that are no query).
+template <int kThreads, int kD, int kRows, class Params>
+OVQ_HOST_DEVICE void stage_queries(int tid, const Params& p, const QueryTiling& qt, Index tile,
+                                   Index s, typename Params::stored_type* dst, int stride) {
+  using Stored = typename Params::stored_type;
+  constexpr int kVec = static_cast<int>(16 / sizeof(Stored));
+  constexpr int kPieces = kD / kVec;
+  const int c = (tid % kPieces) * kVec;
+  for (int r = tid / kPieces; r < kRows; r += kThreads / kPieces) {
+    const RowPlace rp = row_place(p, qt, tile, r);
+    copy_piece_async(dst + r * stride + c,
+                     rp.valid ? p.q.row(s * p.group + rp.head, rp.position) : nullptr, c, p.dk,
+                     p.aligned_rows);
+  }
+}
 
 template <class Params>
 OVQ_HOST_DEVICE TileSweep tile_sweep(const Params& p, const ReadExtent& ext, const QueryTiling& qt,
@@ -337,6 +394,8 @@ struct ReadProgram {
   static constexpr int kCPT = Traits::kColsPerThread;
   static constexpr int kTile = Traits::kKeyTile;
   static constexpr int kGroups = Traits::kGroups;
+  static constexpr int kVec = Traits::kVec;
+  static constexpr int kOutVec = Traits::kOutVec;
 
   static std::size_t shared_bytes(const Params&) {
     return static_cast<std::size_t>(Traits::kShared) * sizeof(Scalar);
@@ -351,6 +410,9 @@ struct ReadProgram {
     Scalar beta[kRPT];  // each row's logit scale
   };
 
+  // The tiles' keys and values are staged asynchronously, one tile ahead: a tile's values load
+  // while its scores are computed, the next tile's keys while its weights and P V are
+  // (fold_tile says where each copy is issued and waited for).
   template <class Block>
   OVQ_HOST_DEVICE static void run(Block& block, const Params& p, BlockIndex index) {
     if (p.only_if_pending >= 0 && p.counters->pending != p.only_if_pending) return;
@@ -361,12 +423,13 @@ struct ReadProgram {
     const QueryTiling qt = QueryTiling::make(p.group, p.n_queries, kRows);
     const bool split = p.splits > 1;
     const TileSweep sw = tile_sweep(p, ext, qt, tile, kRows, kTile, index.z);
+    const Index first = sw.first_block <= sw.last_block ? sw.first_tile(sw.first_block) : -1;
 
     typename Block::template PerThread<Thread> th;
-    load_queries(block, p, qt, tile, s, sh, th);
+    load_queries(block, p, ext, sw.axis, qt, tile, s, first, sh, th);
     for (Index b = sw.first_block; b <= sw.last_block; ++b) {
       for (Index t = sw.first_tile(b); t <= sw.last_tile(b); ++t)
-        fold_tile(block, p, ext, sw.axis, qt, tile, s, t, sh, th);
+        fold_tile(block, p, ext, sw.axis, qt, tile, s, t, sw.next_tile(b, t), sh, th);
       if (!split) merge_block(block, th);
     }
     if (split) {
@@ -376,19 +439,18 @@ struct ReadProgram {
     }
   }
 
-  // Q rows into shared memory (zeros past dk and for invalid rows); every accumulator to the
-  // empty state.
+  // Q rows and the first tile's keys (tile `first`, or none) into shared memory (zeros past dk
+  // and for invalid rows); every accumulator to the empty state.
   template <class Block, class Th>
-  OVQ_HOST_DEVICE static void load_queries(Block& block, const Params& p, const QueryTiling& qt,
-                                           Index tile, Index s, Scalar* sh, Th& th) {
+  OVQ_HOST_DEVICE static void load_queries(Block& block, const Params& p, const ReadExtent& ext,
+                                           const KeyAxisGeometry& axis, const QueryTiling& qt,
+                                           Index tile, Index s, Index first, Scalar* sh, Th& th) {
     block.each([&](int t) {
-      for (int e = t; e < kRows * kD; e += kThreads) {
-        const Index r = e / kD, c = e % kD;
-        const RowPlace rp = row_place(p, qt, tile, r);
-        Scalar x = Scalar(0);
-        if (rp.valid && c < p.dk) x = p.q.row(s * p.group + rp.head, rp.position)[c];
-        sh[Traits::kQ + r * Traits::kQStride + c] = x;
-      }
+      stage_queries<kThreads, kD, kRows>(t, p, qt, tile, s, sh + Traits::kQ, Traits::kQStride);
+      if (first >= 0)
+        stage_key_tile<kThreads, kD>(t, p, ext, axis, s, first * kTile, kTile, false,
+                                     sh + Traits::kK, Traits::kKStride);
+      commit_async();
       Thread& me = th[t];
       OVQ_UNROLL
       for (int i = 0; i < kRPT; ++i) {
@@ -401,33 +463,49 @@ struct ReadProgram {
           me.tot[i][c] = Scalar(0);
         }
       }
+      wait_async<0>();
     });
   }
 
-  // Folds key tile t (slots [t kTile, (t + 1) kTile)) into every row's current block.
+  // Folds key tile t (slots [t kTile, (t + 1) kTile)), whose keys are staged, into every row's
+  // current block; stages its values, and the keys of tile `next` (-1: none).
   template <class Block, class Th>
   OVQ_HOST_DEVICE static void fold_tile(Block& block, const Params& p, const ReadExtent& ext,
                                         const KeyAxisGeometry& axis, const QueryTiling& qt,
-                                        Index tile, Index s, Index t, Scalar* sh, Th& th) {
+                                        Index tile, Index s, Index t, Index next, Scalar* sh,
+                                        Th& th) {
     const Index x0 = t * kTile;
-    // 1. The tile's keys and values into shared memory (zeros for empty slots and past d).
+    // 1. The tile's values start loading. Scores, bias, saturation, mask; each thread's
+    //    maximum per row.
     block.each([&](int tid) {
-      for (int e = tid; e < kTile * kD; e += kThreads) {
-        const Index j = e / kD, c = e % kD;
-        const Scalar* kr = slot_row(p, ext, axis, s, x0 + j, false);
-        const Scalar* vr = slot_row(p, ext, axis, s, x0 + j, true);
-        sh[Traits::kK + j * Traits::kKStride + c] = kr != nullptr && c < p.dk ? kr[c] : Scalar(0);
-        sh[Traits::kV + j * kD + c] = vr != nullptr && c < p.dv ? vr[c] : Scalar(0);
-      }
-    });
-    // 2. Scores, bias, saturation, mask; each thread's maximum per row.
-    block.each([&](int tid) {
+      stage_key_tile<kThreads, kD>(tid, p, ext, axis, s, x0, kTile, true, sh + Traits::kV, kD);
+      commit_async();
       Thread& me = th[tid];
       const int kg = tid % kGroups, rg = tid / kGroups;
+      Scalar dot[kRPT][kKPT];
+      OVQ_UNROLL
+      for (int i = 0; i < kRPT; ++i)
+        OVQ_UNROLL
+        for (int j = 0; j < kKPT; ++j) dot[i][j] = Scalar(0);
+      // Each score one FMA chain over the features in order, kVec features per vector load.
+      for (int c = 0; c < kD; c += kVec) {
+        Scalar q[kRPT][kVec], k[kKPT][kVec];
+        OVQ_UNROLL
+        for (int i = 0; i < kRPT; ++i)
+          load_vector(sh + Traits::kQ + (rg * kRPT + i) * Traits::kQStride + c, q[i]);
+        OVQ_UNROLL
+        for (int j = 0; j < kKPT; ++j)
+          load_vector(sh + Traits::kK + (kg + kGroups * j) * Traits::kKStride + c, k[j]);
+        OVQ_UNROLL
+        for (int f = 0; f < kVec; ++f)
+          OVQ_UNROLL
+          for (int i = 0; i < kRPT; ++i)
+            OVQ_UNROLL
+            for (int j = 0; j < kKPT; ++j) dot[i][j] = std::fma(q[i][f], k[j][f], dot[i][j]);
+      }
       OVQ_UNROLL
       for (int i = 0; i < kRPT; ++i) {
         const int r = rg * kRPT + i;
-        const Scalar* q = sh + Traits::kQ + r * Traits::kQStride;
         const RowPlace rp = row_place(p, qt, tile, r);
         const Index pos = ext.query_offset + rp.position;
         const Index lo = rp.valid ? axis.first(pos) : 1;
@@ -436,12 +514,8 @@ struct ReadProgram {
         Scalar largest = -Scalar(INFINITY);
         OVQ_UNROLL
         for (int j = 0; j < kKPT; ++j) {
-          const int key = kg + kGroups * j;
-          const Scalar* k = sh + Traits::kK + key * Traits::kKStride;
-          Scalar dot = Scalar(0);
-          for (int c = 0; c < kD; ++c) dot = std::fma(q[c], k[c], dot);
-          Scalar x = ovq::detail::mul_rn(dot, beta);
-          const Index slot = x0 + key;
+          Scalar x = ovq::detail::mul_rn(dot[i][j], beta);
+          const Index slot = x0 + kg + kGroups * j;
           if (p.bias.data != nullptr && slot >= axis.memory_begin() && slot < axis.local_begin()) {
             const Scalar b = p.bias.row(s, slot - axis.pad)[0];
             x = x + (p.count_bias || !(b >= Scalar(0)) ? b : Scalar(0));
@@ -454,8 +528,13 @@ struct ReadProgram {
         sh[Traits::kRedMax + r * kGroups + kg] = largest;
       }
     });
-    // 3. The row maxima; exponentials; each thread's sum per row.
+    // 2. The next tile's keys start loading (this tile's are read). The row maxima;
+    //    exponentials; each thread's sum per row.
     block.each([&](int tid) {
+      if (next >= 0)
+        stage_key_tile<kThreads, kD>(tid, p, ext, axis, s, next * kTile, kTile, false,
+                                     sh + Traits::kK, Traits::kKStride);
+      commit_async();
       Thread& me = th[tid];
       const int kg = tid % kGroups, rg = tid / kGroups;
       OVQ_UNROLL
@@ -479,7 +558,8 @@ struct ReadProgram {
         sh[Traits::kRedSum + r * kGroups + kg] = sum;
       }
     });
-    // 4. The row sums; the online-softmax update; P / l into shared memory (transposed).
+    // 3. The row sums; the online-softmax update; P / l into shared memory (transposed). The
+    //    tile's values have landed at the end.
     block.each([&](int tid) {
       Thread& me = th[tid];
       const int kg = tid % kGroups, rg = tid / kGroups;
@@ -512,19 +592,31 @@ struct ReadProgram {
           sh[Traits::kP + (kg + kGroups * j) * Traits::kPStride + r] =
               ovq::detail::mul_rn(me.s[i][j], inv);
       }
+      wait_async<1>();
     });
-    // 5. P V: each output entry one FMA chain over the tile's slots in order.
+    // 4. P V: each output entry one FMA chain over the tile's slots in order. The next tile's
+    //    keys have landed at the end.
     block.each([&](int tid) {
       Thread& me = th[tid];
       const int kg = tid % kGroups, rg = tid / kGroups;
       for (int j = 0; j < kTile; ++j) {
-        const Scalar* v = sh + Traits::kV + j * kD;
+        const Scalar* v = sh + Traits::kV + j * kD + kg * kOutVec;
         const Scalar* w = sh + Traits::kP + j * Traits::kPStride + rg * kRPT;
+        Scalar wj[kRPT];
         OVQ_UNROLL
-        for (int i = 0; i < kRPT; ++i)
+        for (int i = 0; i < kRPT; ++i) wj[i] = w[i];
+        OVQ_UNROLL
+        for (int run = 0; run < kCPT / kOutVec; ++run) {
+          Scalar vv[kOutVec];
+          load_vector(v + run * kGroups * kOutVec, vv);
           OVQ_UNROLL
-          for (int c = 0; c < kCPT; ++c) me.acc[i][c] = std::fma(w[i], v[kg + kGroups * c], me.acc[i][c]);
+          for (int i = 0; i < kRPT; ++i)
+            OVQ_UNROLL
+            for (int e = 0; e < kOutVec; ++e)
+              me.acc[i][run * kOutVec + e] = std::fma(wj[i], vv[e], me.acc[i][run * kOutVec + e]);
+        }
       }
+      wait_async<0>();
     });
   }
 
@@ -576,7 +668,7 @@ struct ReadProgram {
         Scalar* out = p.o.row(s * p.group + rp.head, rp.position);
         OVQ_UNROLL
         for (int c = 0; c < kCPT; ++c) {
-          const Index col = kg + kGroups * c;
+          const Index col = Traits::column(kg, c);
           if (col < p.dv) out[col] = output_entry<Scalar>(me.tot[i][c]);
         }
         if (kg == 0 && p.lse.data != nullptr)
@@ -597,7 +689,7 @@ struct ReadProgram {
         const Index r = rg * kRPT + i;
         Scalar* out = p.partials + (((s * p.tiles + tile) * p.splits + z) * kRows + r) * (kD + 2);
         OVQ_UNROLL
-        for (int c = 0; c < kCPT; ++c) out[kg + kGroups * c] = me.acc[i][c];
+        for (int c = 0; c < kCPT; ++c) out[Traits::column(kg, c)] = me.acc[i][c];
         if (kg == 0) {
           out[kD] = me.st[i].m;
           out[kD + 1] = me.st[i].l;

@@ -42,6 +42,7 @@
 #include "ovq/core/exact_math.hpp"
 #include "ovq/core/online_softmax.hpp"
 #include "ovq/cuda/block.hpp"
+#include "ovq/cuda/kernels/async_copy.hpp"
 #include "ovq/cuda/kernels/half.hpp"
 #include "ovq/cuda/kernels/mma.hpp"
 #include "ovq/cuda/kernels/read.hpp"
@@ -135,11 +136,13 @@ struct TensorReadProgram {
     const bool split = p.splits > 1;
     const TileSweep sw = tile_sweep(p, ext, qt, tile, kRows, kTile, index.z);
 
+    const Index first = sw.first_block <= sw.last_block ? sw.first_tile(sw.first_block) : -1;
+
     typename Block::template PerThread<Thread> th;
-    load_queries(block, p, qt, tile, s, split, sh, th);
+    load_queries(block, p, ext, sw.axis, qt, tile, s, first, split, sh, th);
     for (Index b = sw.first_block; b <= sw.last_block; ++b) {
       for (Index t = sw.first_tile(b); t <= sw.last_tile(b); ++t)
-        fold_tile(block, p, ext, sw.axis, qt, tile, s, t, sh, th);
+        fold_tile(block, p, ext, sw.axis, qt, tile, s, t, sw.next_tile(b, t), sh, th);
       if (!split) merge_block(block, sh, th);
     }
     if (split) {
@@ -149,36 +152,21 @@ struct TensorReadProgram {
     }
   }
 
-  // Entries [c, c + 8) of a row of d entries into shared memory at dst (16-byte aligned):
-  // zeros past d, or for no row; one 16-byte load where the row allows.
-  OVQ_HOST_DEVICE static void load_piece(Bits* dst, const Bits* row, Index c, Index d,
-                                         bool aligned) {
-    if (row != nullptr && aligned && c + 8 <= d) {
-#if defined(OVQ_DEVICE_PASS)
-      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(row + c);
-#else
-      std::memcpy(dst, row + c, 8 * sizeof(Bits));
-#endif
-      return;
-    }
-    OVQ_UNROLL
-    for (int i = 0; i < 8; ++i) dst[i] = row != nullptr && c + i < d ? row[c + i] : Bits{0};
-  }
-
-  // Q rows into shared memory (zeros past dk and for invalid rows); accumulators empty; in loop
-  // mode each lane's entries of the running result to 0.
+  // Q rows and the first tile's keys (tile `first`, or none) into shared memory (zeros past dk
+  // and for invalid rows); accumulators empty; in loop mode each lane's entries of the running
+  // result to 0.
   template <class Block, class Th>
-  OVQ_HOST_DEVICE static void load_queries(Block& block, const Params& p, const QueryTiling& qt,
-                                           Index tile, Index s, bool split, const Shared& sh,
-                                           Th& th) {
+  OVQ_HOST_DEVICE static void load_queries(Block& block, const Params& p, const ReadExtent& ext,
+                                           const KeyAxisGeometry& axis, const QueryTiling& qt,
+                                           Index tile, Index s, Index first, bool split,
+                                           const Shared& sh, Th& th) {
     block.each([&](int t) {
-      for (int e = t; e < kRows * kD / 8; e += kThreads) {
-        const Index r = e / (kD / 8), c = 8 * (e % (kD / 8));
-        const RowPlace rp = row_place(p, qt, tile, r);
-        load_piece(sh.halves + Traits::kQ + r * Traits::kStride + c,
-                   rp.valid ? p.q.row(s * p.group + rp.head, rp.position) : nullptr, c, p.dk,
-                   p.aligned_rows);
-      }
+      stage_queries<kThreads, kD, kRows>(t, p, qt, tile, s, sh.halves + Traits::kQ,
+                                         Traits::kStride);
+      if (first >= 0)
+        stage_key_tile<kThreads, kD>(t, p, ext, axis, s, first * kTile, kTile, false,
+                                     sh.halves + Traits::kK, Traits::kStride);
+      commit_async();
       Thread& me = th[t];
       OVQ_UNROLL
       for (int h = 0; h < 2; ++h) {
@@ -193,27 +181,25 @@ struct TensorReadProgram {
           me.o[n][i] = 0.0f;
           if (!split) sh.floats[Traits::kTot + entry_row(t, i) * kD + out_col(t, n, i)] = 0.0f;
         }
+      wait_async<0>();
     });
   }
 
-  // Folds key tile t (slots [t kTile, (t + 1) kTile)) into every row's current block.
+  // Folds key tile t (slots [t kTile, (t + 1) kTile)), whose keys are staged, into every row's
+  // current block; stages its values, and the keys of tile `next` (-1: none), asynchronously:
+  // the values load while S is computed, the next keys while P and P V are.
   template <class Block, class Th>
   OVQ_HOST_DEVICE static void fold_tile(Block& block, const Params& p, const ReadExtent& ext,
                                         const KeyAxisGeometry& axis, const QueryTiling& qt,
-                                        Index tile, Index s, Index t, const Shared& sh, Th& th) {
+                                        Index tile, Index s, Index t, Index next, const Shared& sh,
+                                        Th& th) {
     const Index x0 = t * kTile;
-    // 1. The tile's keys and values into shared memory (zeros for empty slots and past d).
+    // 1. The tile's values start loading. S = Q K^T; beta, bias, saturation, mask; each lane's
+    //    maximum of its two rows.
     block.each([&](int tid) {
-      for (int e = tid; e < kTile * kD / 8; e += kThreads) {
-        const Index j = e / (kD / 8), c = 8 * (e % (kD / 8));
-        load_piece(sh.halves + Traits::kK + j * Traits::kStride + c,
-                   slot_row(p, ext, axis, s, x0 + j, false), c, p.dk, p.aligned_rows);
-        load_piece(sh.halves + Traits::kV + j * Traits::kStride + c,
-                   slot_row(p, ext, axis, s, x0 + j, true), c, p.dv, p.aligned_rows);
-      }
-    });
-    // 2. S = Q K^T; beta, bias, saturation, mask; each lane's maximum of its two rows.
-    block.each([&](int tid) {
+      stage_key_tile<kThreads, kD>(tid, p, ext, axis, s, x0, kTile, true, sh.halves + Traits::kV,
+                                   Traits::kStride);
+      commit_async();
       Thread& me = th[tid];
       const int lane = tid % 32, r0 = row_base(tid), key0 = col_group(tid) * Traits::kWarpKeys;
       const Bits* q = sh.halves + Traits::kQ + r0 * Traits::kStride;
@@ -256,9 +242,14 @@ struct TensorReadProgram {
         sh.floats[Traits::kRedMax + r * kParts + partial_slot(tid)] = largest;
       }
     });
-    // 3. The row maxima; P = exp(S - m) rounded to 16 bits into shared memory; each lane's sum
-    //    of its rounded weights per row.
+    // 2. The next tile's keys start loading (this tile's are read). The row maxima;
+    //    P = exp(S - m) rounded to 16 bits into shared memory; each lane's sum of its rounded
+    //    weights per row. The tile's values have landed at the end.
     block.each([&](int tid) {
+      if (next >= 0)
+        stage_key_tile<kThreads, kD>(tid, p, ext, axis, s, next * kTile, kTile, false,
+                                     sh.halves + Traits::kK, Traits::kStride);
+      commit_async();
       Thread& me = th[tid];
       const int key0 = col_group(tid) * Traits::kWarpKeys;
       OVQ_UNROLL
@@ -286,8 +277,10 @@ struct TensorReadProgram {
           }
         sh.floats[Traits::kRedSum + r * kParts + partial_slot(tid)] = sum;
       }
+      wait_async<1>();
     });
-    // 4. The row sums; the online-softmax update (O rescaled); O += P V.
+    // 3. The row sums; the online-softmax update (O rescaled); O += P V. The next tile's keys
+    //    have landed at the end.
     block.each([&](int tid) {
       Thread& me = th[tid];
       const int lane = tid % 32, r0 = row_base(tid);
@@ -326,6 +319,7 @@ struct TensorReadProgram {
               [&](int l) { return mma_load_b(v + j * Traits::kStride, Traits::kStride, l); },
               me.o[n]);
       }
+      wait_async<0>();
     });
   }
 
