@@ -81,13 +81,17 @@ struct ReadCase {
   bool bias;
 };
 
-// One state's read through ReadProgram, or TensorReadProgram for a 16-bit element (prefill
-// tiles, or decode tiles split over merge blocks), on the emulator.
+// How emulated_read launches: prefill tiles folding every merge block themselves, prefill
+// tiles split over merge blocks, decode tiles (always split).
+enum class ReadLaunch { prefill_loop, prefill_split, decode };
+
+// One state's read through ReadProgram, or TensorReadProgram for a 16-bit element, on the
+// emulator, launched as `how` says.
 template <class S>
 RowMatrix<S> emulated_read(const ReadCase& c, const RowMatrix<S>& q, const RowMatrix<S>& km,
                            const RowMatrix<S>& vm, const std::vector<compute_t<S>>& bias,
                            const RowMatrix<S>& kl, const RowMatrix<S>& vl, compute_t<S> beta,
-                           bool decode) {
+                           ReadLaunch how) {
   using C = compute_t<S>;
   using Stored = cuda::device_element_t<S>;
   const auto rows = [](const RowMatrix<S>& m) { return reinterpret_cast<const Stored*>(m.data()); };
@@ -122,19 +126,18 @@ RowMatrix<S> emulated_read(const ReadCase& c, const RowMatrix<S>& q, const RowMa
                      cuda::detail::aligned_rows(p.local_values, c.dv);
   }
   const Index width = std::max(c.dk, c.dv);
-  cuda::kernels::ReadPlan plan =
-      cuda::kernels::plan_read<Stored>(1, c.group, c.queries, width, c.memory + c.local);
-  if (decode != plan.decode) {
-    // Force the other tiling: a decode plan for a read that would be a prefill and back.
-    plan.decode = decode;
-    const Index tile_rows = decode ? cuda::kernels::kDecodeRows<Stored>
-                                   : cuda::kernels::prefill_rows<Stored>(width);
-    plan.tiles = static_cast<int>(
-        cuda::kernels::QueryTiling::make(c.group, c.queries, tile_rows).tiles());
+  // The tiling and split asked for, whatever plan_read would choose.
+  cuda::kernels::ReadPlan plan;
+  plan.decode = how == ReadLaunch::decode;
+  const Index tile_rows = plan.decode ? cuda::kernels::kDecodeRows<Stored>
+                                      : cuda::kernels::prefill_rows<Stored>(width);
+  plan.tiles =
+      static_cast<int>(cuda::kernels::QueryTiling::make(c.group, c.queries, tile_rows).tiles());
+  if (how != ReadLaunch::prefill_loop) {
     plan.splits = static_cast<int>((c.memory + c.local) / kernels::kBlockKeys + 2);
     plan.workspace_scalars = static_cast<std::size_t>(plan.tiles * plan.splits) *
-                             cuda::kernels::kDecodeRows<Stored> *
-                             (cuda::kernels::padded_width(width) + 2);
+                             static_cast<std::size_t>(tile_rows) *
+                             static_cast<std::size_t>(cuda::kernels::padded_width(width) + 2);
   }
   std::vector<C> workspace(plan.workspace_scalars);
   cuda::kernels::launch_read<Emulator>(p, plan, workspace.data(), nullptr);
@@ -182,11 +185,15 @@ void check_read_case(const ReadCase& c, std::uint64_t seed) {
   std::mt19937_64 gen(seed + 5);
   for (C& b : bias) b = (gen() % 7 == 0) ? -std::numeric_limits<C>::infinity() : C(gen() % 5);
   const C beta = C(0.7);
-  const RowMatrix<S> prefill = emulated_read(c, q, km, vm, bias, kl, vl, beta, false);
-  const RowMatrix<S> decode = emulated_read(c, q, km, vm, bias, kl, vl, beta, true);
+  const RowMatrix<S> prefill =
+      emulated_read(c, q, km, vm, bias, kl, vl, beta, ReadLaunch::prefill_loop);
+  const RowMatrix<S> split =
+      emulated_read(c, q, km, vm, bias, kl, vl, beta, ReadLaunch::prefill_split);
+  const RowMatrix<S> decode = emulated_read(c, q, km, vm, bias, kl, vl, beta, ReadLaunch::decode);
   INFO("dk " << c.dk << " dv " << c.dv << " memory " << c.memory << " local " << c.local
              << " queries " << c.queries << " group " << c.group << " origin " << c.origin
              << " causal " << c.causal << " window " << c.window << " bias " << c.bias);
+  CHECK(same_bits(prefill, split));
   CHECK(same_bits(prefill, decode));
 
   const kernels::ReadMask mask{c.causal, c.local - c.queries, c.window};
@@ -206,7 +213,8 @@ void check_read_case(const ReadCase& c, std::uint64_t seed) {
   CHECK(error < read_tolerance<S>());
 }
 
-TEMPLATE_TEST_CASE("cuda read program (emulated): prefill tiles == decode tiles == the contract",
+TEMPLATE_TEST_CASE("cuda read program (emulated): prefill tiles, folding their merge blocks or "
+                   "split over them, == decode tiles == the contract",
                    "[cuda][read]", float, double) {
   using S = TestType;
   std::uint64_t seed = 100;
@@ -223,8 +231,8 @@ TEMPLATE_TEST_CASE("cuda read program (emulated): prefill tiles == decode tiles 
   for (const ReadCase& c : cases) check_read_case<S>(c, seed += 10);
 }
 
-TEMPLATE_TEST_CASE("cuda tensor-core read (emulated): 16-bit rows, prefill tiles == decode tiles "
-                   "== the contract within 16-bit rounding",
+TEMPLATE_TEST_CASE("cuda tensor-core read (emulated): 16-bit rows, prefill tiles (folding or "
+                   "split) == decode tiles == the contract within 16-bit rounding",
                    "[cuda][read][half]", bf16, fp16) {
   using S = TestType;
   std::uint64_t seed = 400;
@@ -432,6 +440,111 @@ TEMPLATE_TEST_CASE("cuda OVQ-attention (emulated) == the CPU mixer: outputs, and
       CHECK(same_bits(got.o, first));
     }
   }
+}
+
+// The write's two ways to read the chunk's keys: staged in shared memory (when they fit) and
+// from the chunk itself, over one chunk that opens rows, for every seeding and both rates.
+TEST_CASE("cuda dictionary write (emulated): keys staged in shared memory == keys read from the "
+          "chunk, bit for bit",
+          "[cuda][ovq]") {
+  using S = float;
+  namespace k = cuda::kernels;
+  const Index states = 2, L = 24, dk = 20, dv = 12, capacity = 64, n0 = 10, m = 6;
+  const std::int64_t chunk_index = 5;
+  for (int seeding = 0; seeding < 3; ++seeding)
+    for (const bool adaptive : {true, false}) {
+      INFO("seeding " << seeding << ", adaptive " << adaptive);
+      const RowMatrix<S> keys = random_matrix<S>(states * L, dk, 1 + seeding);
+      const RowMatrix<S> values = random_matrix<S>(states * L, dv, 2 + seeding);
+      RowMatrix<S> dict_k0 = RowMatrix<S>::Zero(states * capacity, dk);
+      RowMatrix<S> dict_v0 = RowMatrix<S>::Zero(states * capacity, dv);
+      std::vector<std::int64_t> counts0(static_cast<std::size_t>(states * capacity), 0);
+      std::vector<S> logc0(counts0.size(), -std::numeric_limits<S>::infinity());
+      std::vector<S> nearest0(static_cast<std::size_t>(states * L));
+      std::vector<Index> assigned0(nearest0.size());
+      std::mt19937_64 gen(7 + static_cast<std::uint64_t>(seeding));
+      for (Index h = 0; h < states; ++h) {
+        dict_k0.middleRows(h * capacity, n0) = random_matrix<S>(n0, dk, 30 + h);
+        dict_v0.middleRows(h * capacity, n0) = random_matrix<S>(n0, dv, 40 + h);
+        for (Index r = 0; r < n0; ++r) {
+          const auto at = static_cast<std::size_t>(h * capacity + r);
+          counts0[at] = 1 + static_cast<std::int64_t>(gen() % 9);
+          logc0[at] = static_cast<S>(std::log(static_cast<double>(counts0[at])));
+        }
+      }
+      for (std::size_t i = 0; i < nearest0.size(); ++i) {
+        nearest0[i] = static_cast<S>(static_cast<double>(gen() % 1000) / 1000.0);
+        assigned0[i] = static_cast<Index>(gen() % static_cast<std::uint64_t>(n0));
+      }
+      const std::vector<std::int64_t> schedule = {chunk_index, m};
+      struct Result {
+        RowMatrix<S> dict_k, dict_v;
+        std::vector<std::int64_t> counts;
+        std::vector<S> logc;
+        std::vector<Index> assigned, order;
+      };
+      auto write = [&](std::size_t staged_keys_max) {
+        Result out{dict_k0, dict_v0, counts0, logc0, assigned0, {}};
+        std::vector<S> nearest = nearest0;
+        std::vector<unsigned char> picked(nearest.size());
+        std::vector<Index> group_end(nearest.size()), draws(nearest.size());
+        out.order.resize(nearest.size());
+        std::int64_t opened[2] = {0, 0};
+        cuda::StateCounters c;
+        c.absorbed = chunk_index * L;
+        c.tokens = c.absorbed + L;
+        c.size = n0;
+        c.pending = L;
+        k::DictionaryWriteParams<S> p;
+        p.keys = {keys.data(), L * dk, dk};
+        p.values = {values.data(), L * dv, dv};
+        p.chunk = L;
+        p.dk = dk;
+        p.dv = dv;
+        p.dict_keys = {out.dict_k.data(), capacity * dk, dk};
+        p.dict_values = {out.dict_v.data(), capacity * dv, dv};
+        p.counts = out.counts.data();
+        p.log_counts = out.logc.data();
+        p.capacity = capacity;
+        p.counters = &c;
+        p.schedule = schedule.data();
+        p.schedule_entries = 1;
+        p.spread = seeding == 0;
+        p.lowest_similarity = seeding == 2;
+        p.seed = 11;
+        p.adaptive = adaptive;
+        p.eta = 0.3;
+        p.nearest = nearest.data();
+        p.assigned = out.assigned.data();
+        p.picked = picked.data();
+        p.order = out.order.data();
+        p.group_end = group_end.data();
+        p.draws = draws.data();
+        p.opened = opened;
+        p.staged_keys_max = staged_keys_max;
+        REQUIRE(k::DictionaryWriteProgram<S>::stages_keys(p) == (staged_keys_max > 0));
+        cuda::emulate<k::DictionaryWriteProgram<S>>(cuda::Grid{1, static_cast<int>(states), 1}, p);
+        CHECK(opened[0] == m);
+        return out;
+      };
+      const Result staged = write(std::size_t(1) << 20), direct = write(0);
+      CHECK(same_bits(staged.dict_k, direct.dict_k));
+      CHECK(same_bits(staged.dict_v, direct.dict_v));
+      CHECK(staged.counts == direct.counts);
+      CHECK(std::memcmp(staged.logc.data(), direct.logc.data(),
+                        sizeof(S) * staged.logc.size()) == 0);
+      CHECK(staged.assigned == direct.assigned);
+      CHECK(staged.order == direct.order);
+      // The write did something: m rows opened in each state, every chunk row counted.
+      for (Index h = 0; h < states; ++h) {
+        std::int64_t total = 0, total0 = 0;
+        for (Index r = 0; r < capacity; ++r) {
+          total += staged.counts[static_cast<std::size_t>(h * capacity + r)];
+          total0 += counts0[static_cast<std::size_t>(h * capacity + r)];
+        }
+        CHECK(total == total0 + L);
+      }
+    }
 }
 
 TEMPLATE_TEST_CASE("cuda VQ-attention (emulated) == the CPU mixer; the counts and means bit for "
@@ -828,6 +941,36 @@ TEMPLATE_TEST_CASE("cuda tensor-core tile product (emulated): the fragment loade
     // Products of 16-bit values are exact in float: only the 16 additions round.
     CHECK((direct.cast<double>() - expected).cwiseAbs().maxCoeff() < 1e-5);
     CHECK(same_bits(direct, via_transpose));
+  }
+}
+
+TEMPLATE_TEST_CASE("cuda ldmatrix loaders (emulated, by the PTX ldmatrix layout) give the scalar "
+                   "loaders' fragments: A, two tiles of B^T, two tiles of B",
+                   "[cuda][half][mma]", bf16, fp16) {
+  using H = TestType;
+  using B = BitsOf<H>;
+  namespace k = cuda::kernels;
+  for (std::uint64_t seed = 1; seed <= 5; ++seed) {
+    const int ld = 24 + 8 * static_cast<int>(seed % 3);  // rows of 16-byte pieces, as staged
+    const RowMatrix<H> m = random_rows<H>(16, ld, seed);
+    std::vector<B> bits(static_cast<std::size_t>(m.size()));
+    std::memcpy(bits.data(), m.data(), sizeof(H) * bits.size());
+    const B* x = bits.data();
+    for (int lane = 0; lane < 32; ++lane) {
+      INFO("seed " << seed << ", lane " << lane);
+      const k::MmaA a = k::mma_ldmatrix_a(x, ld, lane), a_ref = k::mma_load_a(x, ld, lane);
+      for (int i = 0; i < 4; ++i) CHECK(a.r[i] == a_ref.r[i]);
+      const k::MmaB2 bt = k::mma_ldmatrix_b_transposed(x, ld, lane);
+      const k::MmaB2 b = k::mma_ldmatrix_b(x, ld, lane);
+      for (int t = 0; t < 2; ++t) {
+        const k::MmaB bt_ref = k::mma_load_b_transposed(x + 8 * t * ld, ld, lane);
+        const k::MmaB b_ref = k::mma_load_b(x + 8 * t, ld, lane);
+        for (int i = 0; i < 2; ++i) {
+          CHECK(bt.tile[t].r[i] == bt_ref.r[i]);
+          CHECK(b.tile[t].r[i] == b_ref.r[i]);
+        }
+      }
+    }
   }
 }
 

@@ -1,6 +1,6 @@
 // GPU benchmarks of the CUDA mixers against ceilings measured in the same run.
 //
-//   bench_cuda [--quick] [--json FILE]
+//   bench_cuda [--quick] [--json FILE] [--only TEXT]
 //
 // Ceilings: device copy bandwidth (a device-to-device copy of 2 GiB, bytes read and written),
 // the FP32 FMA peak (a kernel of independent FMA chains), cuBLAS SGEMM and the bf16 GEMM
@@ -111,15 +111,20 @@ S* device_random(std::size_t n, std::uint64_t seed) {
 
 int main(int argc, char** argv) {
   bool quick = false;
-  std::string json;
+  std::string json, only;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) quick = true;
     else if (std::strcmp(argv[i], "--json") == 0 && i + 1 < argc) json = argv[++i];
+    else if (std::strcmp(argv[i], "--only") == 0 && i + 1 < argc) only = argv[++i];
     else {
-      std::fprintf(stderr, "usage: bench_cuda [--quick] [--json FILE]\n");
+      std::fprintf(stderr, "usage: bench_cuda [--quick] [--json FILE] [--only TEXT]\n");
       return 2;
     }
   }
+  // --only TEXT: the cases whose names contain TEXT (a profiler's run), no ceilings.
+  auto selected = [&](const std::string& name) {
+    return only.empty() || name.find(only) != std::string::npos;
+  };
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     std::printf("bench_cuda: no CUDA device\n");
@@ -133,63 +138,68 @@ int main(int argc, char** argv) {
   // Each row is also printed as it is measured, so a run cut short still reports its rows.
   struct Rows : std::vector<Row> {
     void push_back(Row r) {
-      std::printf("measured: %s: %.3f ms, %.3f %s\n", r.name.c_str(), r.ms, r.value, r.rate.c_str());
+      std::printf("measured: %s: %.3f ms, %.3f %s\n", r.name.c_str(), r.ms, r.value,
+                  r.rate.c_str());
       std::fflush(stdout);
       std::vector<Row>::push_back(std::move(r));
     }
   } rows;
 
   // ---- ceilings ----
-  const std::size_t copy_bytes = std::size_t(2) << 30;
-  void *a = nullptr, *b = nullptr;
-  check(cudaMalloc(&a, copy_bytes), "cudaMalloc");
-  check(cudaMalloc(&b, copy_bytes), "cudaMalloc");
-  const double copy_ms =
-      time_ms(stream, 10, [&] { cudaMemcpyAsync(b, a, copy_bytes, cudaMemcpyDeviceToDevice, stream); });
-  const double copy_gbs = 2.0 * copy_bytes / copy_ms / 1e6;
-  cudaFree(a);
-  cudaFree(b);
-  rows.push_back({"ceiling: device copy", "GB/s", "-", copy_ms, copy_gbs, 1.0});
+  double copy_gbs = NAN, fma_tflops = NAN, hgemm_tflops = NAN;
+  if (only.empty()) {
+    const std::size_t copy_bytes = std::size_t(2) << 30;
+    void *a = nullptr, *b = nullptr;
+    check(cudaMalloc(&a, copy_bytes), "cudaMalloc");
+    check(cudaMalloc(&b, copy_bytes), "cudaMalloc");
+    const double copy_ms = time_ms(
+        stream, 10, [&] { cudaMemcpyAsync(b, a, copy_bytes, cudaMemcpyDeviceToDevice, stream); });
+    copy_gbs = 2.0 * copy_bytes / copy_ms / 1e6;
+    cudaFree(a);
+    cudaFree(b);
+    rows.push_back({"ceiling: device copy", "GB/s", "-", copy_ms, copy_gbs, 1.0});
 
-  float* sink = nullptr;
-  cudaMalloc(&sink, sizeof(float));
-  const int fma_blocks = prop.multiProcessorCount * 8, fma_threads = 256, fma_iters = 1 << 14;
-  const double fma_ms = time_ms(stream, 5, [&] {
-    fma_peak<<<fma_blocks, fma_threads, 0, stream>>>(sink, fma_iters);
-  });
-  const double fma_tflops = 2.0 * 8 * fma_iters * double(fma_blocks) * fma_threads / fma_ms / 1e9;
-  rows.push_back({"ceiling: FP32 FMA", "TFLOP/s", "-", fma_ms, fma_tflops, 1.0});
+    float* sink = nullptr;
+    check(cudaMalloc(&sink, sizeof(float)), "cudaMalloc");
+    const int fma_blocks = prop.multiProcessorCount * 8, fma_threads = 256, fma_iters = 1 << 14;
+    const double fma_ms = time_ms(stream, 5, [&] {
+      fma_peak<<<fma_blocks, fma_threads, 0, stream>>>(sink, fma_iters);
+    });
+    fma_tflops = 2.0 * 8 * fma_iters * double(fma_blocks) * fma_threads / fma_ms / 1e9;
+    rows.push_back({"ceiling: FP32 FMA", "TFLOP/s", "-", fma_ms, fma_tflops, 1.0});
+    cudaFree(sink);
 
-  cublasHandle_t blas;
-  cublasCreate(&blas);
-  cublasSetStream(blas, stream);
-  const int n = 8192;
-  float* ga = device_random<float>(std::size_t(n) * n, 1);
-  float* gb = device_random<float>(std::size_t(n) * n, 2);
-  float* gc = device_random<float>(std::size_t(n) * n, 3);
-  const float one = 1, zero = 0;
-  const double gemm_ms = time_ms(stream, 5, [&] {
-    cublasSgemm(blas, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, ga, n, gb, n, &zero, gc, n);
-  });
-  const double gemm_tflops = 2.0 * n * double(n) * n / gemm_ms / 1e9;
-  rows.push_back({"ceiling: cuBLAS SGEMM", "TFLOP/s", "-", gemm_ms, gemm_tflops, 1.0});
-  cudaFree(ga);
-  cudaFree(gb);
-  cudaFree(gc);
-  bf16* ha = device_random<bf16>(std::size_t(n) * n, 4);
-  bf16* hb = device_random<bf16>(std::size_t(n) * n, 5);
-  float* hc = device_random<float>(std::size_t(n) * n, 6);
-  const double hgemm_ms = time_ms(stream, 5, [&] {
-    cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, ha, CUDA_R_16BF, n, hb,
-                 CUDA_R_16BF, n, &zero, hc, CUDA_R_32F, n, CUBLAS_COMPUTE_32F,
-                 CUBLAS_GEMM_DEFAULT);
-  });
-  const double hgemm_tflops = 2.0 * n * double(n) * n / hgemm_ms / 1e9;
-  rows.push_back({"ceiling: cuBLAS bf16 GEMM", "TFLOP/s", "-", hgemm_ms, hgemm_tflops, 1.0});
-  cudaFree(ha);
-  cudaFree(hb);
-  cudaFree(hc);
-  cublasDestroy(blas);
+    cublasHandle_t blas;
+    cublasCreate(&blas);
+    cublasSetStream(blas, stream);
+    const int n = 8192;
+    float* ga = device_random<float>(std::size_t(n) * n, 1);
+    float* gb = device_random<float>(std::size_t(n) * n, 2);
+    float* gc = device_random<float>(std::size_t(n) * n, 3);
+    const float one = 1, zero = 0;
+    const double gemm_ms = time_ms(stream, 5, [&] {
+      cublasSgemm(blas, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, ga, n, gb, n, &zero, gc, n);
+    });
+    const double gemm_tflops = 2.0 * n * double(n) * n / gemm_ms / 1e9;
+    rows.push_back({"ceiling: cuBLAS SGEMM", "TFLOP/s", "-", gemm_ms, gemm_tflops, 1.0});
+    cudaFree(ga);
+    cudaFree(gb);
+    cudaFree(gc);
+    bf16* ha = device_random<bf16>(std::size_t(n) * n, 4);
+    bf16* hb = device_random<bf16>(std::size_t(n) * n, 5);
+    float* hc = device_random<float>(std::size_t(n) * n, 6);
+    const double hgemm_ms = time_ms(stream, 5, [&] {
+      cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, ha, CUDA_R_16BF, n, hb,
+                   CUDA_R_16BF, n, &zero, hc, CUDA_R_32F, n, CUBLAS_COMPUTE_32F,
+                   CUBLAS_GEMM_DEFAULT);
+    });
+    hgemm_tflops = 2.0 * n * double(n) * n / hgemm_ms / 1e9;
+    rows.push_back({"ceiling: cuBLAS bf16 GEMM", "TFLOP/s", "-", hgemm_ms, hgemm_tflops, 1.0});
+    cudaFree(ha);
+    cudaFree(hb);
+    cudaFree(hc);
+    cublasDestroy(blas);
+  }
 
   const Index h = 32, d = 128;
   // ---- self-attention prefill (element type of `tag`) ----
@@ -216,14 +226,18 @@ int main(int argc, char** argv) {
     *ms_out = ms;
     return 2.0 * h * (double(t) * (t + 1) / 2) * (2 * d) / ms / 1e9;  // TFLOP/s, causal half
   };
-  double self_ms = 0;
-  const double self_tflops = self_prefill(16384 / scale, &self_ms, float{});
-  rows.push_back({"self_prefill_f32 T=16384 d=128 H=32", "TFLOP/s", "FP32 FMA", self_ms,
-                  self_tflops, self_tflops / fma_tflops});
-  double half_ms = 0;
-  const double half_tflops = self_prefill(16384 / scale, &half_ms, bf16{});
-  rows.push_back({"self_prefill_bf16 T=16384 d=128 H=32", "TFLOP/s", "bf16 GEMM", half_ms,
-                  half_tflops, half_tflops / hgemm_tflops});
+  if (selected("self_prefill_f32")) {
+    double self_ms = 0;
+    const double self_tflops = self_prefill(16384 / scale, &self_ms, float{});
+    rows.push_back({"self_prefill_f32 T=16384 d=128 H=32", "TFLOP/s", "FP32 FMA", self_ms,
+                    self_tflops, self_tflops / fma_tflops});
+  }
+  if (selected("self_prefill_bf16")) {
+    double half_ms = 0;
+    const double half_tflops = self_prefill(16384 / scale, &half_ms, bf16{});
+    rows.push_back({"self_prefill_bf16 T=16384 d=128 H=32", "TFLOP/s", "bf16 GEMM", half_ms,
+                    half_tflops, half_tflops / hgemm_tflops});
+  }
 
   // ---- self-attention decode over a long cache (element type of `tag`) ----
   auto self_decode = [&](const char* name, auto tag) {
@@ -254,8 +268,8 @@ int main(int argc, char** argv) {
     cudaFree(q1);
     cudaFree(o1);
   };
-  self_decode("self_decode_f32 ctx=128k H=32 d=128", float{});
-  self_decode("self_decode_bf16 ctx=128k H=32 d=128", bf16{});
+  if (selected("self_decode_f32")) self_decode("self_decode_f32 ctx=128k H=32 d=128", float{});
+  if (selected("self_decode_bf16")) self_decode("self_decode_bf16 ctx=128k H=32 d=128", bf16{});
 
   // ---- OVQ prefill against self-attention at the same T (element type of `tag`) ----
   auto ovq_prefill = [&](const char* name, auto tag) {
@@ -291,8 +305,9 @@ int main(int argc, char** argv) {
     rows.push_back({std::string(name) + ": writes only (absorb)", "share of prefill", "-", write_ms,
                     write_ms / ms, write_ms / ms});
   };
-  ovq_prefill("ovq_prefill_f32 T=32768 N=2048 L=128 H=32", float{});
-  ovq_prefill("ovq_prefill_bf16 T=32768 N=2048 L=128 H=32", bf16{});
+  if (selected("ovq_prefill_f32")) ovq_prefill("ovq_prefill_f32 T=32768 N=2048 L=128 H=32", float{});
+  if (selected("ovq_prefill_bf16"))
+    ovq_prefill("ovq_prefill_bf16 T=32768 N=2048 L=128 H=32", bf16{});
 
   // ---- OVQ decode step at capacity, replayed from a CUDA graph (element type of `tag`) ----
   auto ovq_decode = [&](const char* name, auto tag) {
@@ -354,8 +369,9 @@ int main(int argc, char** argv) {
     cudaFree(q1);
     cudaFree(o1);
   };
-  ovq_decode("ovq_decode_graph_f32 N=2048 H=32 d=128", float{});
-  ovq_decode("ovq_decode_graph_bf16 N=2048 H=32 d=128", bf16{});
+  if (selected("ovq_decode_graph_f32")) ovq_decode("ovq_decode_graph_f32 N=2048 H=32 d=128", float{});
+  if (selected("ovq_decode_graph_bf16"))
+    ovq_decode("ovq_decode_graph_bf16 N=2048 H=32 d=128", bf16{});
 
   std::printf("GPU: %s, %d SMs%s\n\n", prop.name, prop.multiProcessorCount, quick ? " (quick)" : "");
   std::printf("| case | time (ms) | value | unit | of ceiling |\n|---|---|---|---|---|\n");
@@ -369,7 +385,6 @@ int main(int argc, char** argv) {
           << ", \"unit\": \"" << r.rate << "\", \"fraction\": " << r.fraction << ", \"ceiling\": \""
           << r.ceiling << "\"}\n";
   }
-  cudaFree(sink);
   cudaStreamDestroy(stream);
   return 0;
 }

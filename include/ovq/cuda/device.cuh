@@ -8,10 +8,13 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstddef>
+#include <mutex>
 #include <string>
 
 #include "ovq/core/error.hpp"
+#include "ovq/core/views.hpp"
 #include "ovq/cuda/block.hpp"
 
 namespace ovq::cuda {
@@ -45,7 +48,47 @@ __global__ void __launch_bounds__(P::kThreads, 1) run_program(const typename P::
 
 struct Device {
   using Stream = cudaStream_t;
-  static constexpr const char* kName = "cuda";
+
+  // Past 48 KiB of shared memory a kernel must opt in, on each device, to the most it launches
+  // with (a program's size can depend on its parameters): the largest so far is remembered per
+  // device, and the runtime is called (under a lock, so the attribute only grows) only when a
+  // launch needs more.
+  template <class P>
+  static void opt_in(std::size_t shared) {
+    static constexpr int kDevices = 64;
+    static std::atomic<std::size_t> opted[kDevices] = {};
+    static std::mutex lock;
+    int device = 0;
+    check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+    const auto set = [&] {
+      check_cuda(cudaFuncSetAttribute(run_program<P>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(shared)),
+                 "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+    };
+    if (device < 0 || device >= kDevices) return set();  // past the table: every time
+    if (shared <= opted[device].load(std::memory_order_acquire)) return;
+    const std::lock_guard<std::mutex> guard(lock);
+    if (shared <= opted[device].load(std::memory_order_relaxed)) return;
+    set();
+    opted[device].store(shared, std::memory_order_release);
+  }
+
+  // The thread blocks that fill the current device: its multiprocessor count (remembered per
+  // device). The read plans split the merge blocks of a prefill with fewer tiles than this.
+  static Index parallel_blocks() {
+    static constexpr int kDevices = 64;
+    static std::atomic<int> known[kDevices] = {};
+    int device = 0;
+    check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+    const bool listed = device >= 0 && device < kDevices;
+    int count = listed ? known[device].load(std::memory_order_relaxed) : 0;
+    if (count == 0) {
+      check_cuda(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device),
+                 "cudaDeviceGetAttribute(MultiProcessorCount)");
+      if (listed) known[device].store(count, std::memory_order_relaxed);
+    }
+    return count;
+  }
 
   static void* allocate(std::size_t bytes, Stream stream) {
     if (bytes == 0) return nullptr;
@@ -67,12 +110,7 @@ struct Device {
   static void launch(Grid grid, const typename P::Params& params, Stream stream) {
     if (grid.x <= 0 || grid.y <= 0 || grid.z <= 0) return;
     const std::size_t shared = P::shared_bytes(params);
-    if (shared > 48 * 1024) {
-      // Past 48 KiB a kernel must opt in; once per program (its size does not change).
-      static const cudaError_t opted = cudaFuncSetAttribute(
-          run_program<P>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
-      check_cuda(opted, "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
-    }
+    if (shared > 48 * 1024) opt_in<P>(shared);
     run_program<P><<<dim3(grid.x, grid.y, grid.z), P::kThreads, shared, stream>>>(params);
     check_cuda(cudaGetLastError(), "kernel launch");
   }

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <new>
 
+#include "ovq/core/views.hpp"
 #include "ovq/cuda/block.hpp"
 
 namespace ovq::cuda {
@@ -45,6 +46,8 @@ struct Emulator {
   static void launch(Grid grid, const typename Program::Params& params, Stream) {
     if (grid.x > 0 && grid.y > 0 && grid.z > 0) emulate<Program>(grid, params);
   }
+  // A small GPU's worth of blocks, so that the tests run both launch modes of the reads.
+  static Index parallel_blocks() { return 8; }
   static void synchronize(Stream) {}
   static bool capturing(Stream stream) { return stream != nullptr && stream->capturing; }
 };

@@ -344,23 +344,34 @@ class BasicOvqAttention {
   kernels::ReadPlan step_plan(const State& st, Index group, Index n, Index memory,
                               Index local) const {
     return kernels::plan_read<Stored>(st.heads(), group, n,
-                                      std::max(st.key_dim(), st.value_dim()), memory + local);
+                                      std::max(st.key_dim(), st.value_dim()), memory + local,
+                                      Backend::parallel_blocks());
   }
 
   struct WriteWorkspace {
     detail::WorkspaceLayout layout;
-    std::size_t nearest, assigned, picked, order, draws, opened, partials, yhat,
-        prediction_partials;
+    std::size_t nearest, assigned, part_best, part_arg, part_nan, picked, order, group_end, draws,
+        opened, partials, yhat, prediction_partials;
+    int assign_splits = 1;
     kernels::ReadPlan prediction;  // the delta rule's read (none without it)
   };
-  WriteWorkspace layout(const State& st, const kernels::ReadPlan& plan) const {
+  // assign_splits: the centroid ranges of the chunk write's assignment (launch_assign).
+  WriteWorkspace layout(const State& st, const kernels::ReadPlan& plan,
+                        int assign_splits = 1) const {
     const std::size_t read_scalars = plan.workspace_scalars;
     WriteWorkspace w;
     const auto rows = static_cast<std::size_t>(st.heads() * st.chunk());
+    w.assign_splits = assign_splits;
+    const std::size_t parts =
+        assign_splits > 1 ? rows * static_cast<std::size_t>(assign_splits) : 0;
     w.nearest = w.layout.template add<Compute>(rows);
     w.assigned = w.layout.template add<Index>(rows);
+    w.part_best = w.layout.template add<Compute>(parts);
+    w.part_arg = w.layout.template add<Index>(parts);
+    w.part_nan = w.layout.template add<unsigned char>(parts);
     w.picked = w.layout.template add<unsigned char>(rows);
     w.order = w.layout.template add<Index>(rows);
+    w.group_end = w.layout.template add<Index>(rows);
     w.draws = w.layout.template add<Index>(rows);
     w.opened = w.layout.template add<std::int64_t>(2);
     w.partials = w.layout.template add<Compute>(read_scalars);
@@ -404,7 +415,11 @@ class BasicOvqAttention {
       const Index local = capturing ? chunk : static_cast<Index>(after.pending);
       kernels::ReadPlan plan;
       if (q != nullptr) plan = step_plan(st, q->heads / st.heads(), len, memory, local);
-      const WriteWorkspace w = layout(st, plan);
+      // A chunk completed here is assigned to the dictionary as it is now (after.size rows).
+      const int assign_splits = kernels::assign_splits(
+          st.chunk(), st.heads(), static_cast<Index>(after.size), Backend::parallel_blocks(), 32,
+          64, capturing);
+      const WriteWorkspace w = layout(st, plan, assign_splits);
       void* ws = st.template workspace<unsigned char>(w.layout.bytes(), stream, where);
       if (q != nullptr)
         read(st, q->middle_rows(pos, len), o->middle_rows(pos, len),
@@ -484,12 +499,11 @@ class BasicOvqAttention {
     a.complete_chunk = st.chunk();
     a.best = nearest;
     a.arg = assigned;
-    kernels::dispatch_width(st.key_dim(), [&](auto width) {
-      using Assign = kernels::AssignProgram<Compute, decltype(width)::value, Stored>;
-      Backend::template launch<Assign>(
-          Grid{static_cast<int>((st.chunk() + Assign::kRows - 1) / Assign::kRows), heads, 1}, a,
-          stream);
-    });
+    a.splits = w.assign_splits;
+    a.part_best = WorkspaceLayout::at<Compute>(ws, w.part_best);
+    a.part_arg = WorkspaceLayout::at<Index>(ws, w.part_arg);
+    a.part_nan = WorkspaceLayout::at<unsigned char>(ws, w.part_nan);
+    kernels::launch_assign<Backend>(a, st.heads(), stream);
 
     kernels::DictionaryWriteParams<Compute, Stored> d;
     d.keys = chunk_keys;
@@ -519,6 +533,7 @@ class BasicOvqAttention {
     d.assigned = assigned;
     d.picked = WorkspaceLayout::at<unsigned char>(ws, w.picked);
     d.order = WorkspaceLayout::at<Index>(ws, w.order);
+    d.group_end = WorkspaceLayout::at<Index>(ws, w.group_end);
     d.draws = WorkspaceLayout::at<Index>(ws, w.draws);
     d.opened = opened;
     if constexpr (State::kSeparateMeans) {

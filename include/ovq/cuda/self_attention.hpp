@@ -253,7 +253,8 @@ class BasicSelfAttention {
                               bool capturing) const {
     const Index memory = capturing ? (st.keep_ >= 0 ? st.keep_ : st.capacity_) : rows;
     return kernels::plan_read<Stored>(st.heads(), group, n,
-                                      std::max(st.key_dim(), st.value_dim()), memory + n);
+                                      std::max(st.key_dim(), st.value_dim()), memory + n,
+                                      Backend::parallel_blocks());
   }
 
   Index keep_rows() const { return options_.window > 0 ? options_.window - 1 : State::kKeepAll; }

@@ -297,20 +297,29 @@ class BasicVqAttention {
   kernels::ReadPlan read_plan(const State& st, Index group, Index n) const {
     return kernels::plan_read<Stored>(st.heads(), group, n,
                                       std::max(st.key_dim(), st.value_dim()),
-                                      st.codebook_size() + st.chunk());
+                                      st.codebook_size() + st.chunk(), Backend::parallel_blocks());
   }
 
   struct Workspace {
     detail::WorkspaceLayout layout;
-    std::size_t best, codes, picked, order, partials;
+    std::size_t best, codes, part_best, part_arg, part_nan, picked, order, group_end, partials;
+    int assign_splits = 1;
   };
-  Workspace layout(const State& st, const kernels::ReadPlan& plan) const {
+  // assign_splits: the codebook ranges of a piece's assignment (launch_assign).
+  Workspace layout(const State& st, const kernels::ReadPlan& plan, int assign_splits = 1) const {
     Workspace w;
     const auto rows = static_cast<std::size_t>(st.heads() * st.chunk());
+    w.assign_splits = assign_splits;
+    const std::size_t parts =
+        assign_splits > 1 ? rows * static_cast<std::size_t>(assign_splits) : 0;
     w.best = w.layout.template add<Compute>(rows);
     w.codes = w.layout.template add<Index>(rows);
+    w.part_best = w.layout.template add<Compute>(parts);
+    w.part_arg = w.layout.template add<Index>(parts);
+    w.part_nan = w.layout.template add<unsigned char>(parts);
     w.picked = w.layout.template add<unsigned char>(rows);
     w.order = w.layout.template add<Index>(rows);
+    w.group_end = w.layout.template add<Index>(rows);
     w.partials = w.layout.template add<Compute>(plan.workspace_scalars);
     return w;
   }
@@ -339,7 +348,10 @@ class BasicVqAttention {
       const Index len = std::min(chunk - static_cast<Index>(after.pending), n - pos);
       kernels::ReadPlan plan;
       if (q != nullptr) plan = read_plan(st, q->heads / st.heads(), len);
-      const Workspace w = layout(st, plan);
+      const Workspace w = layout(
+          st, plan,
+          kernels::assign_splits(len, st.heads(), st.codebook_size(), Backend::parallel_blocks(),
+                                 32, 64, capturing));
       void* ws = st.template workspace<unsigned char>(w.layout.bytes(), stream, where);
 
       // Quantise the piece's keys, then push codes, codebook rows and values.
@@ -353,12 +365,11 @@ class BasicVqAttention {
       a.fixed_count = st.codebook_size();
       a.best = WorkspaceLayout::at<Compute>(ws, w.best);
       a.arg = WorkspaceLayout::at<Index>(ws, w.codes);
-      kernels::dispatch_width(st.key_dim(), [&](auto width) {
-        using Assign = kernels::AssignProgram<Compute, decltype(width)::value, Stored, Stored>;
-        Backend::template launch<Assign>(
-            Grid{static_cast<int>((len + Assign::kRows - 1) / Assign::kRows), heads, 1}, a,
-            stream);
-      });
+      a.splits = w.assign_splits;
+      a.part_best = WorkspaceLayout::at<Compute>(ws, w.part_best);
+      a.part_arg = WorkspaceLayout::at<Index>(ws, w.part_arg);
+      a.part_nan = WorkspaceLayout::at<unsigned char>(ws, w.part_nan);
+      kernels::launch_assign<Backend>(a, st.heads(), stream);
       kernels::VqPushParams<Stored> push;
       push.codes = a.arg;
       push.rows = len;
@@ -412,6 +423,7 @@ class BasicVqAttention {
         d.assigned = st.pending_codes_.data();
         d.picked = WorkspaceLayout::at<unsigned char>(ws, w.picked);
         d.order = WorkspaceLayout::at<Index>(ws, w.order);
+        d.group_end = WorkspaceLayout::at<Index>(ws, w.group_end);
         if constexpr (State::kSeparateMeans)
           d.read_values = {st.values_.data(), st.codebook_size() * st.value_dim(), st.value_dim()};
         Backend::template launch<kernels::DictionaryWriteProgram<Compute, Stored>>(

@@ -47,8 +47,11 @@ int prefill_rows(Index width) {
 }
 
 // How a read is launched. A read whose stacked rows (queries x group) fit one decode tile is a
-// decode: its merge blocks are split across thread blocks (grid.z) and merged by MergeProgram
-// from the workspace; any other read folds every block in its own thread block.
+// decode; any other read tiles its rows by prefill_rows. A decode always splits its merge blocks
+// across thread blocks (grid.z), and so does a prefill of fewer tiles than fill the device
+// (parallel_blocks, 0 if unknown): block z folds the tile's merge block z, and MergeProgram
+// merges the partials from the workspace in order, the same bits as one block folding them all
+// (loop mode).
 struct ReadPlan {
   bool decode = false;
   int tiles = 1;
@@ -60,18 +63,21 @@ struct ReadPlan {
 // Stored: the element of the rows read (float, double, or 16-bit bits). The workspace holds
 // the split partial states, in the arithmetic's scalars (float for 16-bit elements).
 template <class Stored>
-ReadPlan plan_read(Index states, Index group, Index n_queries, Index width, Index max_slots) {
+ReadPlan plan_read(Index states, Index group, Index n_queries, Index width, Index max_slots,
+                   Index parallel_blocks = 0) {
   ReadPlan plan;
   constexpr int kDecode = kDecodeRows<Stored>;
   plan.decode = n_queries * group <= kDecode;
-  const QueryTiling qt =
-      QueryTiling::make(group, n_queries, plan.decode ? kDecode : prefill_rows<Stored>(width));
+  const int rows = plan.decode ? kDecode : prefill_rows<Stored>(width);
+  const QueryTiling qt = QueryTiling::make(group, n_queries, rows);
   plan.tiles = static_cast<int>(qt.tiles());
-  if (plan.decode) {
-    // Slots start at pad < kBlockKeys: the blocks a read touches.
-    plan.splits = static_cast<int>((max_slots + kBlockKeys - 1) / kBlockKeys + 1);
-    plan.workspace_scalars = static_cast<std::size_t>(states) * plan.tiles * plan.splits *
-                             kDecode * (padded_width(width) + 2);
+  // Slots start at pad < kBlockKeys: the blocks a read touches.
+  const Index blocks = (max_slots + kBlockKeys - 1) / kBlockKeys + 1;
+  const bool small_grid = static_cast<Index>(plan.tiles) * states < parallel_blocks;
+  if (plan.decode || (small_grid && max_slots > kBlockKeys)) {
+    plan.splits = static_cast<int>(blocks);
+    plan.workspace_scalars = static_cast<std::size_t>(states) * plan.tiles * plan.splits * rows *
+                             (padded_width(width) + 2);
   }
   return plan;
 }
@@ -81,31 +87,30 @@ void launch_read(ReadParams<Scalar, Stored> p, const ReadPlan& plan, Scalar* wor
                  typename Backend::Stream stream) {
   if (p.n_queries == 0 || p.states == 0) return;
   p.tiles = plan.tiles;
-  p.splits = plan.decode ? plan.splits : 1;
+  p.splits = plan.splits;
   p.partials = workspace;
   dispatch_width(std::max(p.dk, p.dv), [&](auto width) {
     constexpr int kD = decltype(width)::value;
     const int states = static_cast<int>(p.states);
+    const Grid grid{plan.tiles, states, plan.splits}, merge{plan.tiles, states, 1};
     constexpr int kDecode = kDecodeRows<Stored>;
     constexpr int kPrefill = kPrefillRows<Stored, kD>;
     if constexpr (is_half_bits_v<Stored>) {
       if (plan.decode) {
-        Backend::template launch<TensorReadProgram<Stored, kD, kDecode>>(
-            Grid{plan.tiles, states, plan.splits}, p, stream);
-        Backend::template launch<MergeProgram<Scalar, kD, kDecode, Stored>>(
-            Grid{plan.tiles, states, 1}, p, stream);
+        Backend::template launch<TensorReadProgram<Stored, kD, kDecode>>(grid, p, stream);
+        Backend::template launch<MergeProgram<Scalar, kD, kDecode, Stored>>(merge, p, stream);
       } else {
-        Backend::template launch<TensorReadProgram<Stored, kD, kPrefill>>(
-            Grid{plan.tiles, states, 1}, p, stream);
+        Backend::template launch<TensorReadProgram<Stored, kD, kPrefill>>(grid, p, stream);
+        if (plan.splits > 1)
+          Backend::template launch<MergeProgram<Scalar, kD, kPrefill, Stored>>(merge, p, stream);
       }
     } else if (plan.decode) {
-      Backend::template launch<ReadProgram<Scalar, kD, kDecode>>(
-          Grid{plan.tiles, states, plan.splits}, p, stream);
-      Backend::template launch<MergeProgram<Scalar, kD, kDecode>>(
-          Grid{plan.tiles, states, 1}, p, stream);
+      Backend::template launch<ReadProgram<Scalar, kD, kDecode>>(grid, p, stream);
+      Backend::template launch<MergeProgram<Scalar, kD, kDecode>>(merge, p, stream);
     } else {
-      Backend::template launch<ReadProgram<Scalar, kD, kPrefill>>(
-          Grid{plan.tiles, states, 1}, p, stream);
+      Backend::template launch<ReadProgram<Scalar, kD, kPrefill>>(grid, p, stream);
+      if (plan.splits > 1)
+        Backend::template launch<MergeProgram<Scalar, kD, kPrefill>>(merge, p, stream);
     }
   });
 }

@@ -91,6 +91,88 @@ OVQ_HOST_DEVICE float mma_b_entry(const MmaB* b, int k, int n) {
   return widen(Bits{static_cast<std::uint16_t>((k & 1) ? r >> 16 : r & 0xffffu)});
 }
 
+// Four 8 x 8 tiles of 16-bit elements from shared memory in one instruction (PTX
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16): lane 8 i + r gives the address of row r of
+// tile i (16 bytes at a 16-byte boundary), and lane l receives in register i the entries
+// (l / 4, 2 (l % 4)) and (l / 4, 2 (l % 4) + 1) of tile i, with kTrans those of its transpose,
+// (2 (l % 4), l / 4) and (2 (l % 4) + 1, l / 4): fragments in the layout above. row_at(i, r) is
+// the address of row r of tile i; the emulation reads the same entries from it one by one.
+struct MmaX4 {
+  std::uint32_t r[4];
+};
+
+template <bool kTrans, class Bits, class RowAt>
+OVQ_HOST_DEVICE MmaX4 ldmatrix_x4(RowAt&& row_at, int lane) {
+  MmaX4 f;
+#if defined(OVQ_DEVICE_PASS)
+  const auto address =
+      static_cast<unsigned>(__cvta_generic_to_shared(row_at(lane >> 3, lane & 7)));
+  if constexpr (kTrans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(f.r[0]), "=r"(f.r[1]), "=r"(f.r[2]), "=r"(f.r[3])
+                 : "r"(address));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(f.r[0]), "=r"(f.r[1]), "=r"(f.r[2]), "=r"(f.r[3])
+                 : "r"(address));
+  }
+#else
+  const int g = lane >> 2, u = lane & 3;
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (kTrans) {
+      f.r[i] = pack_pair(row_at(i, 2 * u)[g].bits, row_at(i, 2 * u + 1)[g].bits);
+    } else {
+      const Bits* x = row_at(i, g) + 2 * u;
+      f.r[i] = pack_pair(x[0].bits, x[1].bits);
+    }
+  }
+#endif
+  return f;
+}
+
+// The A fragment of a 16 x 16 tile, row-major at `a` (lda elements a row, every row 16-byte
+// aligned), in one ldmatrix: tiles (rows 0-7, 8-15) x (columns 0-7, 8-15) in a's register order.
+template <class Bits>
+OVQ_HOST_DEVICE MmaA mma_ldmatrix_a(const Bits* a, int lda, int lane) {
+  const MmaX4 x = ldmatrix_x4<false, Bits>(
+      [&](int i, int r) { return a + ((i & 1) * 8 + r) * lda + (i >> 1) * 8; }, lane);
+  return MmaA{{x.r[0], x.r[1], x.r[2], x.r[3]}};
+}
+
+// The B fragments of two adjacent 16 x 8 tiles (columns n0 .. n0 + 15) in one ldmatrix, each
+// MmaB one tile:
+//   keys:   B given by its transpose, bt[n * ldb + k] (key rows, for Q K^T);
+//   values: B row-major, b[k * ldb + n] (value rows, for P V).
+struct MmaB2 {
+  MmaB tile[2];
+};
+template <class Bits>
+OVQ_HOST_DEVICE MmaB2 mma_ldmatrix_b_transposed(const Bits* bt, int ldb, int lane) {
+  const MmaX4 x = ldmatrix_x4<false, Bits>(
+      [&](int i, int r) { return bt + ((i >> 1) * 8 + r) * ldb + (i & 1) * 8; }, lane);
+  return MmaB2{{MmaB{{x.r[0], x.r[1]}}, MmaB{{x.r[2], x.r[3]}}}};
+}
+template <class Bits>
+OVQ_HOST_DEVICE MmaB2 mma_ldmatrix_b(const Bits* b, int ldb, int lane) {
+  const MmaX4 x = ldmatrix_x4<true, Bits>(
+      [&](int i, int r) { return b + ((i & 1) * 8 + r) * ldb + (i >> 1) * 8; }, lane);
+  return MmaB2{{MmaB{{x.r[0], x.r[1]}}, MmaB{{x.r[2], x.r[3]}}}};
+}
+
+// The fragments a lane loads for mma: on a GPU each lane loads its own, once (load(lane)), and
+// every call of the result returns them; in the emulation, where mma asks for every lane's,
+// each call loads lane l's (load(l)).
+template <class Load>
+OVQ_HOST_DEVICE auto lane_fragments(int lane, Load load) {
+#if defined(OVQ_DEVICE_PASS)
+  const auto own = load(lane);
+  return [own](int) { return own; };
+#else
+  (void)lane;
+  return [load](int l) { return load(l); };
+#endif
+}
+
 template <class Bits, class LoadA, class LoadB>
 OVQ_HOST_DEVICE void mma(int lane, LoadA&& load_a, LoadB&& load_b, float c[4]) {
   static_assert(is_half_bits_v<Bits>, "tensor-core tiles are bf16 or fp16");

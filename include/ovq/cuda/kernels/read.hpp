@@ -550,8 +550,9 @@ struct ReadProgram {
         Scalar sum = Scalar(0);
         OVQ_UNROLL
         for (int j = 0; j < kKPT; ++j) {
-          const Scalar e =
-              m_new == -Scalar(INFINITY) ? Scalar(0) : ovq::detail::exp_nonpositive(me.s[i][j] - m_new);
+          const Scalar e = m_new == -Scalar(INFINITY)
+                               ? Scalar(0)
+                               : ovq::detail::exp_nonpositive(me.s[i][j] - m_new);
           me.s[i][j] = e;
           sum = sum + e;
         }
@@ -573,7 +574,8 @@ struct ReadProgram {
           for (int g = 0; g < kGroups; ++g) sum = sum + sh[Traits::kRedSum + r * kGroups + g];
           SoftmaxStats<Scalar>& st = me.st[i];
           const Scalar l_kept =
-              st.m == m_new ? st.l : ovq::detail::mul_rn(st.l, ovq::detail::exp_nonpositive(st.m - m_new));
+              st.m == m_new ? st.l
+                            : ovq::detail::mul_rn(st.l, ovq::detail::exp_nonpositive(st.m - m_new));
           const Scalar l_new = l_kept + sum;
           const Scalar keep = l_kept / l_new;
           inv = Scalar(1) / l_new;
@@ -582,7 +584,8 @@ struct ReadProgram {
             // so that an average that rounded to inf leaves no 0 * inf).
             OVQ_UNROLL
             for (int c = 0; c < kCPT; ++c)
-              me.acc[i][c] = keep == Scalar(0) ? Scalar(0) : ovq::detail::mul_rn(me.acc[i][c], keep);
+              me.acc[i][c] =
+                  keep == Scalar(0) ? Scalar(0) : ovq::detail::mul_rn(me.acc[i][c], keep);
           }
           st.l = l_new;
           st.m = m_new;

@@ -12,20 +12,24 @@
 //                                        or by MergeProgram from a workspace (split mode,
 //                                        grid.z > 1), as ReadProgram.
 //
-// Per key tile: K and V into shared memory; S = Q K^T on tensor cores (kD / 16 steps of 8
+// Per key tile: K and V staged asynchronously into shared memory (the values while S is
+// computed, the next tile's keys while P V is); S = Q K^T on tensor cores (kD / 16 steps of 8
 // column tiles of 8 keys, split among the row's warps), times the query head's beta, saturated,
-// masked; the row maxima through shared memory;
-// P = exp(S - m) rounded to 16 bits (row sums add the rounded weights, so l is the sum of the
-// weights the product uses); O += P V on tensor cores (64 / 16 steps of kD / 8 column tiles),
-// O unnormalised in registers, rescaled when a row's maximum moves. A finished merge block's
-// average O / l is merged into the block's running result in shared memory (loop mode) or
-// written with (m, l) as a partial (split mode).
+// masked; the row maxima through shared memory; P = exp(S - m) rounded to 16 bits (row sums
+// add the rounded weights, so l is the sum of the weights the product uses); O += P V on tensor
+// cores (64 / 16 steps of kD / 8 column tiles), O unnormalised in registers, rescaled when a
+// row's maximum moves. A finished merge block's average O / l is merged into the block's
+// running result in shared memory (loop mode) or written with (m, l) as a partial (split mode).
+// Fragments of K and V (and of Q and P at width 256) load by ldmatrix, two column tiles at a
+// time; up to width 128 a warp keeps its Q fragments in registers for the whole read and builds
+// P's fragments in registers from S's.
 //
-// Shapes: Q (kRows x kD), K and V (64 x kD) and P (kRows x 64) as 16-bit rows padded by 8
-// elements (the 8 rows of a fragment load fall in different banks), then float: two reduction
-// arrays (kRows x 4 per warp of a row) and, in loop mode, the running result (kRows x kD). At
-// kD = 128, kRows = 64: 62 KiB; kD = 256, kRows = 32: 120 KiB. Registers per lane: O (64
-// floats) and S (32 floats, 16 at width 256).
+// Shapes: Q (kRows x kD), K and V (64 x kD) and P (kRows x 64, width 256) as 16-bit rows padded
+// by 8 elements (the 8 rows of an ldmatrix tile fall in different banks), then float: two
+// reduction arrays (kRows x 4 per warp of a row) and, in loop mode, the running result (kRows x
+// kD). At kD = 128, kRows = 64: 62 KiB; kD = 256, kRows = 32: 120 KiB. Registers per lane: O
+// (64 floats), S (32 floats, 16 at width 256), Q and P fragments (kD / 4 and 16 words, up to
+// width 128).
 // Cost: 4 rows (visible slots, tile-granular) kD flops on tensor cores, O(rows slots) in float.
 //
 // Determinism: an entry of a tensor-core product depends on its row of A and column of B only,
@@ -94,11 +98,22 @@ struct TensorReadProgram {
                sizeof(float);
   }
 
+  // Width up to 128 (one warp per 16 rows): the warp's Q fragments stay in registers for the
+  // whole read, and P goes from S's registers straight into the A fragments of P V (the C and
+  // A layouts hold the same entries: S tiles 2j and 2j + 1 are P's k-step j). Width 256 (two
+  // warps share 16 rows, each with half the keys) exchanges P through shared memory.
+  static constexpr bool kRegisterFragments = kCG == 1;
+  static constexpr int kQSteps = kD / 16;       // k-steps of S
+  static constexpr int kPSteps = kTile / 16;    // k-steps of P V
+  static_assert(kS % 2 == 0 && kO % 2 == 0, "B fragments load two column tiles at a time");
+
   // One lane: rows g and g + 8 of its warp's 16 (g = lane / 4), in the C-fragment layout, for
   // the warp's keys of S and columns of O.
   struct Thread {
     float o[kO][4];  // unnormalised sums of the current merge block
     float s[kS][4];  // this tile's scores, then weights
+    MmaA q[kRegisterFragments ? kQSteps : 1];  // the lane's Q fragments
+    MmaA w[kRegisterFragments ? kPSteps : 1];  // the lane's P fragments (16-bit weights)
     SoftmaxStats<float> st[2], st_tot[2];
     float m_new[2];
     float beta[2];  // the logit scale of each of the lane's two rows
@@ -154,7 +169,7 @@ struct TensorReadProgram {
 
   // Q rows and the first tile's keys (tile `first`, or none) into shared memory (zeros past dk
   // and for invalid rows); accumulators empty; in loop mode each lane's entries of the running
-  // result to 0.
+  // result to 0; then (width up to 128) each lane's Q fragments into registers.
   template <class Block, class Th>
   OVQ_HOST_DEVICE static void load_queries(Block& block, const Params& p, const ReadExtent& ext,
                                            const KeyAxisGeometry& axis, const QueryTiling& qt,
@@ -183,6 +198,25 @@ struct TensorReadProgram {
         }
       wait_async<0>();
     });
+    if constexpr (kRegisterFragments) {
+      block.each([&](int t) {
+        const Bits* q = sh.halves + Traits::kQ + row_base(t) * Traits::kStride;
+        OVQ_UNROLL
+        for (int f = 0; f < kQSteps; ++f)
+          th[t].q[f] = mma_ldmatrix_a(q + 16 * f, Traits::kStride, t % 32);
+      });
+    }
+  }
+
+  // The slots [lo, hi] of a tile that a row sees, relative to the tile's first slot and clamped
+  // to [-1, kTile] (32-bit, so that the per-entry mask is two small compares).
+  struct TileWindow {
+    int lo = 1, hi = 0;
+    OVQ_HOST_DEVICE bool sees(int col) const { return col >= lo && col <= hi; }
+  };
+  OVQ_HOST_DEVICE static int relative_slot(Index slot, Index x0) {
+    const Index r = slot - x0;
+    return r < -1 ? -1 : (r > kTile ? kTile : static_cast<int>(r));
   }
 
   // Folds key tile t (slots [t kTile, (t + 1) kTile)), whose keys are staged, into every row's
@@ -194,6 +228,10 @@ struct TensorReadProgram {
                                         Index tile, Index s, Index t, Index next, const Shared& sh,
                                         Th& th) {
     const Index x0 = t * kTile;
+    // The tile's slots with a bias (memory rows), relative to x0.
+    const int bias_lo = relative_slot(axis.memory_begin(), x0);
+    const int bias_hi = relative_slot(axis.local_begin(), x0) - 1;
+    const bool any_bias = p.bias.data != nullptr && bias_lo <= bias_hi;
     // 1. The tile's values start loading. S = Q K^T; beta, bias, saturation, mask; each lane's
     //    maximum of its two rows.
     block.each([&](int tid) {
@@ -202,40 +240,56 @@ struct TensorReadProgram {
       commit_async();
       Thread& me = th[tid];
       const int lane = tid % 32, r0 = row_base(tid), key0 = col_group(tid) * Traits::kWarpKeys;
-      const Bits* q = sh.halves + Traits::kQ + r0 * Traits::kStride;
+      const int warp0 = tid - lane;
       OVQ_UNROLL
-      for (int n = 0; n < kS; ++n) {
+      for (int n = 0; n < kS; ++n)
         OVQ_UNROLL
         for (int i = 0; i < 4; ++i) me.s[n][i] = 0.0f;
+      OVQ_UNROLL
+      for (int n = 0; n < kS; n += 2) {
         const Bits* k = sh.halves + Traits::kK + (key0 + 8 * n) * Traits::kStride;
         OVQ_UNROLL
-        for (int f = 0; f < kD; f += 16)
-          mma<Bits>(
-              lane, [&](int l) { return mma_load_a(q + f, Traits::kStride, l); },
-              [&](int l) { return mma_load_b_transposed(k + f, Traits::kStride, l); }, me.s[n]);
+        for (int f = 0; f < kQSteps; ++f) {
+          const auto a = lane_fragments(lane, [&](int l) {
+            if constexpr (kRegisterFragments) {
+              return th[warp0 + l].q[f];
+            } else {
+              return mma_ldmatrix_a(sh.halves + Traits::kQ + r0 * Traits::kStride + 16 * f,
+                                    Traits::kStride, l);
+            }
+          });
+          const auto b = lane_fragments(lane, [&](int l) {
+            return mma_ldmatrix_b_transposed(k + 16 * f, Traits::kStride, l);
+          });
+          mma<Bits>(lane, a, [&](int l) { return b(l).tile[0]; }, me.s[n]);
+          mma<Bits>(lane, a, [&](int l) { return b(l).tile[1]; }, me.s[n + 1]);
+        }
       }
       OVQ_UNROLL
       for (int h = 0; h < 2; ++h) {
         const int r = entry_row(tid, 2 * h);
         const RowPlace rp = row_place(p, qt, tile, r);
         const Index pos = ext.query_offset + rp.position;
-        const Index lo = rp.valid ? axis.first(pos) : 1;
-        const Index hi = rp.valid ? axis.last(pos) : 0;  // inclusive
+        TileWindow seen;
+        if (rp.valid) {
+          seen.lo = relative_slot(axis.first(pos), x0);
+          seen.hi = relative_slot(axis.last(pos), x0);
+        }
+        const bool whole = seen.lo <= key0 && seen.hi >= key0 + Traits::kWarpKeys - 1;
         const float beta = me.beta[h];
         float largest = -INFINITY;
         OVQ_UNROLL
         for (int n = 0; n < kS; ++n)
           OVQ_UNROLL
           for (int e = 0; e < 2; ++e) {
-            const Index slot = x0 + key0 + 8 * n + entry_col(tid, e);
+            const int col = key0 + 8 * n + entry_col(tid, e);
             float x = ovq::detail::mul_rn(me.s[n][2 * h + e], beta);
-            if (p.bias.data != nullptr && slot >= axis.memory_begin() &&
-                slot < axis.local_begin()) {
-              const float b = p.bias.row(s, slot - axis.pad)[0];
+            if (any_bias && col >= bias_lo && col <= bias_hi) {
+              const float b = p.bias.row(s, x0 + col - axis.pad)[0];
               x = x + (p.count_bias || !(b >= 0.0f) ? b : 0.0f);
             }
             x = saturate(x);
-            if (slot < lo || slot > hi) x = -INFINITY;
+            if (!whole && !seen.sees(col)) x = -INFINITY;
             me.s[n][2 * h + e] = x;
             if (x > largest) largest = x;
           }
@@ -243,8 +297,8 @@ struct TensorReadProgram {
       }
     });
     // 2. The next tile's keys start loading (this tile's are read). The row maxima;
-    //    P = exp(S - m) rounded to 16 bits into shared memory; each lane's sum of its rounded
-    //    weights per row. The tile's values have landed at the end.
+    //    P = exp(S - m) rounded to 16 bits (into the lane's P fragments, or shared memory); each
+    //    lane's sum of its rounded weights per row. The tile's values have landed at the end.
     block.each([&](int tid) {
       if (next >= 0)
         stage_key_tile<kThreads, kD>(tid, p, ext, axis, s, next * kTile, kTile, false,
@@ -252,6 +306,7 @@ struct TensorReadProgram {
       commit_async();
       Thread& me = th[tid];
       const int key0 = col_group(tid) * Traits::kWarpKeys;
+      Bits rounded[kS][4];
       OVQ_UNROLL
       for (int h = 0; h < 2; ++h) {
         const int r = entry_row(tid, 2 * h);
@@ -270,12 +325,28 @@ struct TensorReadProgram {
             const float w = m_new == -INFINITY
                                 ? 0.0f
                                 : ovq::detail::exp_nonpositive(me.s[n][2 * h + e] - m_new);
-            const Bits rounded = narrow<Bits>(w);
-            sh.halves[Traits::kP + r * Traits::kPStride + key0 + 8 * n + entry_col(tid, e)] =
-                rounded;
-            sum = sum + widen(rounded);
+            const Bits x = narrow<Bits>(w);
+            rounded[n][2 * h + e] = x;
+            sum = sum + widen(x);
           }
         sh.floats[Traits::kRedSum + r * kParts + partial_slot(tid)] = sum;
+      }
+      if constexpr (kRegisterFragments) {
+        // S tiles 2j and 2j + 1 are the two column halves of P's k-step j.
+        OVQ_UNROLL
+        for (int j = 0; j < kPSteps; ++j) {
+          const Bits* lo = rounded[2 * j];
+          const Bits* hi = rounded[2 * j + 1];
+          me.w[j] = MmaA{{pack_pair(lo[0].bits, lo[1].bits), pack_pair(lo[2].bits, lo[3].bits),
+                          pack_pair(hi[0].bits, hi[1].bits), pack_pair(hi[2].bits, hi[3].bits)}};
+        }
+      } else {
+        OVQ_UNROLL
+        for (int n = 0; n < kS; ++n)
+          OVQ_UNROLL
+          for (int i = 0; i < 4; ++i)
+            sh.halves[Traits::kP + entry_row(tid, i) * Traits::kPStride + key0 + 8 * n +
+                      entry_col(tid, i)] = rounded[n][i];
       }
       wait_async<1>();
     });
@@ -283,7 +354,7 @@ struct TensorReadProgram {
     //    have landed at the end.
     block.each([&](int tid) {
       Thread& me = th[tid];
-      const int lane = tid % 32, r0 = row_base(tid);
+      const int lane = tid % 32, r0 = row_base(tid), warp0 = tid - lane;
       OVQ_UNROLL
       for (int h = 0; h < 2; ++h) {
         const int r = entry_row(tid, 2 * h);
@@ -308,16 +379,25 @@ struct TensorReadProgram {
         }
         st.l = st.l + sum;
       }
-      const Bits* pw = sh.halves + Traits::kP + r0 * Traits::kPStride;
       OVQ_UNROLL
-      for (int n = 0; n < kO; ++n) {
-        const Bits* v = sh.halves + Traits::kV + col_group(tid) * Traits::kWarpCols + 8 * n;
+      for (int j = 0; j < kPSteps; ++j) {
+        const auto a = lane_fragments(lane, [&](int l) {
+          if constexpr (kRegisterFragments) {
+            return th[warp0 + l].w[j];
+          } else {
+            return mma_ldmatrix_a(sh.halves + Traits::kP + r0 * Traits::kPStride + 16 * j,
+                                  Traits::kPStride, l);
+          }
+        });
         OVQ_UNROLL
-        for (int j = 0; j < kTile; j += 16)
-          mma<Bits>(
-              lane, [&](int l) { return mma_load_a(pw + j, Traits::kPStride, l); },
-              [&](int l) { return mma_load_b(v + j * Traits::kStride, Traits::kStride, l); },
-              me.o[n]);
+        for (int n = 0; n < kO; n += 2) {
+          const Bits* v = sh.halves + Traits::kV + 16 * j * Traits::kStride +
+                          col_group(tid) * Traits::kWarpCols + 8 * n;
+          const auto b =
+              lane_fragments(lane, [&](int l) { return mma_ldmatrix_b(v, Traits::kStride, l); });
+          mma<Bits>(lane, a, [&](int l) { return b(l).tile[0]; }, me.o[n]);
+          mma<Bits>(lane, a, [&](int l) { return b(l).tile[1]; }, me.o[n + 1]);
+        }
       }
       wait_async<0>();
     });
