@@ -6,6 +6,7 @@
 #
 #   scripts/lib/gpu_profile.sh BENCH_CUDA OUT_DIR
 #
+# OVQ_GPU_PROFILE_ONLY (an extended regex): only the targets whose names match it.
 # One report per target in OUT_DIR/profile_<name>.txt; the exit status is ncu's worst.
 set -uo pipefail
 bench=$1
@@ -17,9 +18,10 @@ command -v ncu >/dev/null 2>&1 || { echo "gpu_profile: no ncu" >&2; exit 1; }
 targets=(
   "self_prefill_bf16|self_prefill_bf16|TensorReadProgram|0|--quick"
   "self_prefill_f32|self_prefill_f32|ReadProgram<float|0|--quick"
-  "self_decode_bf16|self_decode_bf16|TensorReadProgram|0|--quick"
-  "self_decode_f32|self_decode_f32|ReadProgram<float|0|--quick"
-  "ovq_decode_read_f32|ovq_decode_graph_f32|ReadProgram<float|0|"
+  "self_decode_bf16|self_decode_bf16|TensorDecodeProgram|0|--quick"
+  "self_decode_f32|self_decode_f32|DecodeReadProgram<float|0|--quick"
+  "ovq_decode_read_f32|ovq_decode_graph_f32|DecodeReadProgram<float|0|"
+  "ovq_decode_read_bf16|ovq_decode_graph_bf16|TensorDecodeProgram|0|"
   "ovq_write_seeding_f32|ovq_prefill_f32|DictionaryWriteProgram|8|"
   "ovq_write_full_f32|ovq_prefill_f32|DictionaryWriteProgram|250|"
   "ovq_assign_full_f32|ovq_prefill_f32|AssignProgram|250|"
@@ -29,6 +31,7 @@ sections=(--section SpeedOfLight --section ComputeWorkloadAnalysis --section Mem
 status=0
 for target in "${targets[@]}"; do
   IFS='|' read -r name case kernel skip length <<<"$target"
+  [[ -z "${OVQ_GPU_PROFILE_ONLY:-}" || "$name" =~ $OVQ_GPU_PROFILE_ONLY ]] || continue
   # shellcheck disable=SC2086  # $length: no option, or one
   ncu --clock-control none --kernel-name-base demangled -k "regex:$kernel" --launch-skip "$skip" \
     -c 1 "${sections[@]}" "$bench" $length --only "$case" >"$out/profile_$name.txt" 2>&1 ||

@@ -7,6 +7,7 @@
 
 #include "ovq/core/error.hpp"
 #include "ovq/cuda/block.hpp"
+#include "ovq/cuda/kernels/decode.hpp"
 #include "ovq/cuda/kernels/half.hpp"
 #include "ovq/cuda/kernels/read.hpp"
 #include "ovq/cuda/kernels/tensor_read.hpp"
@@ -97,7 +98,11 @@ void launch_read(ReadParams<Scalar, Stored> p, const ReadPlan& plan, Scalar* wor
     constexpr int kPrefill = kPrefillRows<Stored, kD>;
     if constexpr (is_half_bits_v<Stored>) {
       if (plan.decode) {
-        Backend::template launch<TensorReadProgram<Stored, kD, kDecode>>(grid, p, stream);
+        if constexpr (kD <= 128) {
+          Backend::template launch<TensorDecodeProgram<Stored, kD>>(grid, p, stream);
+        } else {
+          Backend::template launch<TensorReadProgram<Stored, kD, kDecode>>(grid, p, stream);
+        }
         Backend::template launch<MergeProgram<Scalar, kD, kDecode, Stored>>(merge, p, stream);
       } else {
         Backend::template launch<TensorReadProgram<Stored, kD, kPrefill>>(grid, p, stream);
@@ -105,7 +110,7 @@ void launch_read(ReadParams<Scalar, Stored> p, const ReadPlan& plan, Scalar* wor
           Backend::template launch<MergeProgram<Scalar, kD, kPrefill, Stored>>(merge, p, stream);
       }
     } else if (plan.decode) {
-      Backend::template launch<ReadProgram<Scalar, kD, kDecode>>(grid, p, stream);
+      Backend::template launch<DecodeReadProgram<Scalar, kD, kDecode>>(grid, p, stream);
       Backend::template launch<MergeProgram<Scalar, kD, kDecode>>(merge, p, stream);
     } else {
       Backend::template launch<ReadProgram<Scalar, kD, kPrefill>>(grid, p, stream);
