@@ -837,7 +837,7 @@ std::uint16_t bits(H x) {
 template <class H>
 H from_bits(std::uint16_t b) {
   H x;
-  std::memcpy(&x, &b, sizeof b);
+  std::memcpy(static_cast<void*>(&x), &b, sizeof b);
   return x;
 }
 

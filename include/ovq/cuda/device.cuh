@@ -61,6 +61,14 @@ struct Device {
     int device = 0;
     check_cuda(cudaGetDevice(&device), "cudaGetDevice");
     const auto set = [&] {
+      int limit = 0;
+      check_cuda(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+                 "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)");
+      if (shared > static_cast<std::size_t>(limit))
+        throw Error(ovq::detail::concat(
+            "cuda: a kernel needs ", shared, " bytes of shared memory a block, device ", device,
+            " allows ", limit, " (every kernel fits sm_80 and sm_90; narrower heads, or float or "
+            "16-bit elements in place of double, need less)"));
       check_cuda(cudaFuncSetAttribute(run_program<P>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(shared)),
                  "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");

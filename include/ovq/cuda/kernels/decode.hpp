@@ -25,8 +25,9 @@
 // Keys and values are staged asynchronously as in ReadProgram (values while the scores are
 // computed, the next tile's keys while the weights and P V are).
 // Shapes: Q (kRows x kD), K (kKeyTile x kD), V (kKeyTile x kD), S and P^T (kRows x kKeyTile)
-// and 2 kRows x 17 scalars in shared memory (width 128, float: 74 KiB); registers: each thread's
-// accumulators (kRows kD / 128, at least 2). Cost: as ReadProgram, on the valid rows only.
+// and kRows x 17 scalars (partial sums, rescale factors) in shared memory (width 128, float:
+// 74 KiB); registers: each thread's accumulators (kRows kD / 128, at least 2). Cost: as
+// ReadProgram, on the valid rows only.
 #include <cfloat>
 #include <cmath>
 
@@ -313,7 +314,7 @@ struct DecodeReadProgram {
 //            compute the same), O rescaled, O += P V over the warp's columns (P and V by
 //            ldmatrix).
 // Keys and values are staged asynchronously as in TensorReadProgram. Shapes: Q (16 x kD), K and
-// V (64 x kD), P (16 x 64) as 16-bit rows padded by 8, then 16 x 20 floats (width 128: 38 KiB);
+// V (64 x kD), P (16 x 64) as 16-bit rows padded by 8, then 16 x 20 floats (width 128: 42 KiB);
 // registers per lane: O (kD / 8 floats), S (8 floats), Q fragments (kD / 4 words).
 template <class Bits, int kD>
 struct TensorDecodeProgram {

@@ -72,8 +72,9 @@ ReadPlan plan_read(Index states, Index group, Index n_queries, Index width, Inde
   const int rows = plan.decode ? kDecode : prefill_rows<Stored>(width);
   const QueryTiling qt = QueryTiling::make(group, n_queries, rows);
   plan.tiles = static_cast<int>(qt.tiles());
-  // Slots start at pad < kBlockKeys: the blocks a read touches.
-  const Index blocks = (max_slots + kBlockKeys - 1) / kBlockKeys + 1;
+  // Slots start at pad < kBlockKeys: the blocks a read touches (a split read: at least two, so
+  // that its programs run in split mode).
+  const Index blocks = std::max<Index>((max_slots + kBlockKeys - 1) / kBlockKeys + 1, 2);
   const bool small_grid = static_cast<Index>(plan.tiles) * states < parallel_blocks;
   if (plan.decode || (small_grid && max_slots > kBlockKeys)) {
     plan.splits = static_cast<int>(blocks);
@@ -87,6 +88,9 @@ template <class Backend, class Scalar, class Stored>
 void launch_read(ReadParams<Scalar, Stored> p, const ReadPlan& plan, Scalar* workspace,
                  typename Backend::Stream stream) {
   if (p.n_queries == 0 || p.states == 0) return;
+  // The decode programs fold one merge block a block: they run split only.
+  ovq::detail::require(!plan.decode || plan.splits > 1, "launch_read", "a decode plan has ",
+                       plan.splits, " splits, expected at least 2");
   p.tiles = plan.tiles;
   p.splits = plan.splits;
   p.partials = workspace;

@@ -234,8 +234,9 @@ struct FirstOf {
 template <class H, int N>
 inline FirstOf<H, N> first_of(const H* p, Index n) {
   FirstOf<H, N> out;
-  std::memset(out.data, 0, sizeof out.data);
-  std::memcpy(out.data, p, static_cast<std::size_t>(n) * sizeof(H));
+  // Raw bytes: H is a 16-bit element (Eigen's half types are not trivially constructible).
+  std::memset(static_cast<void*>(out.data), 0, sizeof out.data);
+  std::memcpy(static_cast<void*>(out.data), p, static_cast<std::size_t>(n) * sizeof(H));
   return out;
 }
 
