@@ -791,6 +791,53 @@ TEST_CASE("cuda mixers (emulated): bad shapes throw the CPU's ArgumentError befo
   CHECK(state.to_host(nullptr)[0].tokens() == 20);
 }
 
+// A small call (a decode step's few rows) checks, copies and counts in one launch
+// (CheckCopyProgram), a larger one in three: the same outputs and states, and a bad value
+// anywhere in a small call faults and changes nothing.
+TEST_CASE("cuda small calls (emulated): one launch checks, copies and counts as three do",
+          "[cuda][errors]") {
+  using S = float;
+  using ovq::test::MessageHas;
+  const Index heads = 2, group = 2, dk = 8, dv = 8, t = 300;  // one call of 600 rows: not small
+  const Stream3<S> in = make_stream<S>(heads, group, t, dk, dv, 77, true);
+  OvqOptions ovq_options;
+  ovq_options.capacity = 32;
+  ovq_options.chunk = 16;
+  const cuda::BasicOvqAttention<S, Emulator> ovq_mixer(ovq_options);
+  SelfAttentionOptions self_options;
+  self_options.chunk = 400;
+  const cuda::BasicSelfAttention<S, Emulator> self_mixer(self_options);
+  auto check = [&](const auto& mixer, auto make) {
+    const auto stepped = run_device(mixer, make(), in, std::vector<Index>(t, 1));
+    const auto whole = run_device(mixer, make(), in, {});
+    CHECK(same_bits(stepped.o, whole.o));
+    for (Index h = 0; h < heads; ++h) CHECK(stepped.states[h] == whole.states[h]);
+    // A NaN in Q, K or V of a step (the last head, token 20).
+    for (int which = 0; which < 3; ++which) {
+      INFO("NaN in " << "QKV"[which]);
+      auto state = make();
+      const Rows<S> q(in.q, heads * group, nullptr), k(in.k, heads, nullptr),
+          v(in.v, heads, nullptr), o(heads * group, t, dv, nullptr);
+      mixer.forward(state, q.view().middle_rows(0, 20), k.view().middle_rows(0, 20),
+                    v.view().middle_rows(0, 20), o.view().middle_rows(0, 20));
+      const auto before = state.to_host(nullptr);
+      RowMatrix<S> bad = which == 0 ? in.q : (which == 1 ? in.k : in.v);
+      const Index bad_heads = which == 0 ? heads * group : heads;
+      bad((bad_heads - 1) * t + 20, 3) = std::numeric_limits<S>::quiet_NaN();
+      const Rows<S> b(bad, bad_heads, nullptr);
+      mixer.step(state, (which == 0 ? b : q).view().middle_rows(20, 1),
+                 (which == 1 ? b : k).view().middle_rows(20, 1),
+                 (which == 2 ? b : v).view().middle_rows(20, 1), o.view().middle_rows(20, 1));
+      CHECK_THROWS_MATCHES(state.synchronize(nullptr), ArgumentError,
+                           MessageHas({"not finite"}));
+      const auto after = state.to_host(nullptr);
+      for (Index h = 0; h < heads; ++h) CHECK(after[h] == before[h]);
+    }
+  };
+  check(ovq_mixer, [&] { return ovq_mixer.make_state(heads, dk, dv); });
+  check(self_mixer, [&] { return self_mixer.make_state(heads, dk, dv); });
+}
+
 TEST_CASE("cuda KV cache (emulated): a captured step past the reserved capacity faults and "
           "changes nothing; reserve() makes room",
           "[cuda][errors][capture]") {

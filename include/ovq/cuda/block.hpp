@@ -13,7 +13,9 @@
 // is block-uniform: it computes the same values in every thread (on a GPU every thread runs
 // it, in the emulation it runs once) and writes no memory. Per-thread state lives in a
 // Block::PerThread<T> (one T in registers on a GPU, kThreads of them in the emulation);
-// block.shared() is the block's shared memory.
+// block.shared() is the block's shared memory. block.last_to_arrive(counter, blocks), called in
+// block-uniform code, tells the last block of a launch to finish (an integer atomic in device
+// memory), which may then act on every block's results (a device-wide step without a launch).
 //
 // The emulation runs each phase's threads one after the other. That computes what a GPU
 // computes because no phase reads what another thread of the block writes in the same phase:
@@ -67,6 +69,14 @@ class EmulatedBlock {
     for (int t = 0; t < kThreads; ++t) f(t);
   }
 
+  // Whether this block is the last of `blocks` to arrive at *arrivals (block-uniform code,
+  // after a phase; 0 between launches: the last block sets it back). The blocks run in turn.
+  OVQ_HOST_DEVICE bool last_to_arrive(std::int64_t* arrivals, std::int64_t blocks) {
+    if (++*arrivals < blocks) return false;
+    *arrivals = 0;
+    return true;
+  }
+
  private:
   void* shared_;
 };
@@ -111,6 +121,26 @@ class DeviceBlock {
   __device__ __forceinline__ void each(F&& f) {
     f(static_cast<int>(threadIdx.x));
     __syncthreads();
+  }
+
+  // Whether this block is the last of `blocks` to arrive (an integer atomic: the blocks finish
+  // in any order, and the one that finishes last sees every other's writes, fenced before its
+  // arrival).
+  __device__ bool last_to_arrive(std::int64_t* arrivals, std::int64_t blocks) {
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      const auto before = static_cast<std::int64_t>(
+          atomicAdd(reinterpret_cast<unsigned long long*>(arrivals), 1ull));
+      last = before + 1 == blocks ? 1 : 0;
+      if (last) {
+        *arrivals = 0;
+        __threadfence();
+      }
+    }
+    __syncthreads();
+    return last != 0;
   }
 
  private:

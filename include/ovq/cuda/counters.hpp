@@ -16,6 +16,7 @@ struct StateCounters {
   std::int64_t pending = 0;   // rows of the current, incomplete chunk
   std::int64_t schedule = 0;  // OVQ: the next entry of its growth schedule
   std::int64_t fault = 0;     // Fault bits: a call that could not be carried out changed nothing
+  std::int64_t arrivals = 0;  // blocks of a chunk write done so far (0 between launches)
 };
 
 // Why a call left its state as it was (reported by the host at the next synchronising call).

@@ -58,6 +58,53 @@ void launch_push(StateCounters* counters, ConstHeadsView<Scalar> k, ConstHeadsVi
   launch_counters<Backend>(counters, kernels::CounterOp::push, k.rows, chunk, nullptr, stream);
 }
 
+// Whether a call of `rows` rows a head over `heads` key/value heads (and `q_heads` query heads,
+// 0 without queries) is small enough for CheckCopyProgram: a decode step's few rows.
+inline bool small_call(Index rows, Index heads, Index q_heads) {
+  using P = kernels::CheckCopyProgram<float>;
+  return rows * heads <= P::kMaxRows && rows * q_heads <= P::kMaxRows;
+}
+
+// A small call's finiteness check, copy of K and V (into a pending chunk: `copy.to_pending`, or a
+// cache) and counter update, in one block: launch_finite_check, then the copy and the counters'
+// update, in one launch.
+template <class Backend, class Scalar>
+void launch_check_copy(StateCounters* counters, const ConstHeadsView<Scalar>* q,
+                       ConstHeadsView<Scalar> k, ConstHeadsView<Scalar> v,
+                       kernels::CopyRowsParams<Scalar> copy, kernels::CounterParams count,
+                       typename Backend::Stream stream) {
+  kernels::CheckCopyParams<Scalar> p;
+  p.check.inputs[p.check.count++] = k;
+  p.check.inputs[p.check.count++] = v;
+  if (q != nullptr) p.check.inputs[p.check.count++] = *q;
+  p.check.counters = counters;
+  copy.src[0] = k;
+  copy.src[1] = v;
+  copy.counters = counters;
+  p.copy = copy;
+  count.counters = counters;
+  p.count = count;
+  Backend::template launch<kernels::CheckCopyProgram<Scalar>>(Grid{}, p, stream);
+}
+
+// The same for a pending chunk of `chunk` rows (launch_push's copy and push).
+template <class Backend, class Scalar>
+void launch_check_push(StateCounters* counters, const ConstHeadsView<Scalar>* q,
+                       ConstHeadsView<Scalar> k, ConstHeadsView<Scalar> v,
+                       HeadsView<Scalar> pending_keys, HeadsView<Scalar> pending_values,
+                       Index chunk, typename Backend::Stream stream) {
+  kernels::CopyRowsParams<Scalar> copy;
+  copy.dst[0] = pending_keys;
+  copy.dst[1] = pending_values;
+  copy.to_pending = true;
+  copy.limit = chunk;
+  kernels::CounterParams count;
+  count.op = kernels::CounterOp::push;
+  count.n = k.rows;
+  count.limit = chunk;
+  launch_check_copy<Backend>(counters, q, k, v, copy, count, stream);
+}
+
 // Whether every row of `rows` (d entries each) starts at a 16-byte boundary and holds whole
 // 16-byte pieces: the rows the 16-bit read loads 16 bytes at a time.
 template <class Stored>

@@ -335,9 +335,12 @@ class BasicOvqAttention {
   void reserve(State& state, Index query_heads, Stream stream = {}) const {
     check_state("reserve", state);
     detail::check_query_heads("reserve", query_heads, state.heads());
-    const WriteWorkspace w = layout(state, step_plan(state, query_heads / state.heads(), 1,
-                                                     state.capacity(), state.chunk()));
+    const kernels::ReadPlan plan =
+        step_plan(state, query_heads / state.heads(), 1, state.capacity(), state.chunk());
+    const WriteWorkspace w = layout(state, plan);
     state.template workspace<unsigned char>(w.layout.bytes(), stream, "reserve");
+    state.arrivals(std::max(plan.arrival_counters, w.prediction.arrival_counters), stream,
+                   "reserve");
   }
 
  private:
@@ -394,19 +397,31 @@ class BasicOvqAttention {
     const Index n = k.rows;
     if (n == 0) return;
     const bool capturing = Backend::capturing(stream);
-    // Values first: a bad entry leaves the state as it was.
-    const ConstHeadsView<Stored> q_stored = q != nullptr ? stored(*q) : ConstHeadsView<Stored>{};
-    detail::launch_finite_check<Backend>(st.device_counters(), q != nullptr ? &q_stored : nullptr,
-                                         stored(k), stored(v), stream);
-
     StateCounters after = st.counters();
     const Index chunk = st.chunk();
+    // Values first: a bad entry leaves the state as it was. A call of one small piece (a decode
+    // step) checks and pushes in one launch.
+    const ConstHeadsView<Stored> q_stored = q != nullptr ? stored(*q) : ConstHeadsView<Stored>{};
+    const bool small = n <= chunk - static_cast<Index>(after.pending) &&
+                       detail::small_call(n, st.heads(), q != nullptr ? q->heads : 0);
+    if (!small)
+      detail::launch_finite_check<Backend>(st.device_counters(),
+                                           q != nullptr ? &q_stored : nullptr, stored(k),
+                                           stored(v), stream);
+
     for (Index pos = 0; pos < n;) {
       const Index offset = static_cast<Index>(after.pending);
       const Index len = std::min(chunk - offset, n - pos);
-      detail::launch_push<Backend>(st.device_counters(), stored(k.middle_rows(pos, len)),
-                                   stored(v.middle_rows(pos, len)), stored(st.pending_keys()),
-                                   stored(st.pending_values()), chunk, stream);
+      if (small) {
+        detail::launch_check_push<Backend>(st.device_counters(),
+                                           q != nullptr ? &q_stored : nullptr, stored(k),
+                                           stored(v), stored(st.pending_keys()),
+                                           stored(st.pending_values()), chunk, stream);
+      } else {
+        detail::launch_push<Backend>(st.device_counters(), stored(k.middle_rows(pos, len)),
+                                     stored(v.middle_rows(pos, len)), stored(st.pending_keys()),
+                                     stored(st.pending_values()), chunk, stream);
+      }
       after.pending += len;
       after.tokens += len;
       // A captured step must work at any position: its read is planned for a full dictionary
@@ -455,7 +470,8 @@ class BasicOvqAttention {
     p.local_values = {st.pending_values_.data(), st.chunk() * st.value_dim(), st.value_dim()};
     p.aligned_rows = detail::aligned_read_rows(p);
     p.lse = {lse.data, lse.head_stride, lse.row_stride};
-    kernels::launch_read<Backend>(p, plan, partials, stream);
+    kernels::launch_read<Backend>(p, plan, partials, stream,
+                                  st.arrivals(plan.arrival_counters, stream, "read"));
   }
 
   void write(State& st, const WriteWorkspace& w, void* ws, Stream stream) const {
@@ -482,9 +498,9 @@ class BasicOvqAttention {
       set_dictionary(st, p);
       p.only_if_pending = st.chunk();
       p.aligned_rows = detail::aligned_read_rows(p);
-      kernels::launch_read<Backend>(p, w.prediction,
-                                    WorkspaceLayout::at<Compute>(ws, w.prediction_partials),
-                                    stream);
+      kernels::launch_read<Backend>(
+          p, w.prediction, WorkspaceLayout::at<Compute>(ws, w.prediction_partials), stream,
+          st.arrivals(w.prediction.arrival_counters, stream, "write"));
     }
     Index* assigned = WorkspaceLayout::at<Index>(ws, w.assigned);
     std::int64_t* opened = WorkspaceLayout::at<std::int64_t>(ws, w.opened);
@@ -540,11 +556,11 @@ class BasicOvqAttention {
       d.read_keys = {st.keys_.data(), st.capacity() * st.key_dim(), st.key_dim()};
       d.read_values = {st.values_.data(), st.capacity() * st.value_dim(), st.value_dim()};
     }
+    // The write's last block completes the chunk in the counters.
+    d.complete = true;
+    d.states = st.heads();
     Backend::template launch<kernels::DictionaryWriteProgram<Compute, Stored>>(Grid{1, heads, 1},
                                                                                 d, stream);
-
-    detail::launch_counters<Backend>(st.device_counters(), kernels::CounterOp::complete, 0,
-                                     st.chunk(), opened, stream);
   }
 
   Options options_;

@@ -244,6 +244,7 @@ class BasicSelfAttention {
     state.reserve(tokens, stream);
     const kernels::ReadPlan plan = read_plan(state, query_heads / state.heads(), 1, 0, true);
     state.template workspace<Compute>(plan.workspace_scalars, stream, "reserve");
+    state.arrivals(plan.arrival_counters, stream, "reserve");
   }
 
  private:
@@ -277,12 +278,18 @@ class BasicSelfAttention {
                            ": reserve the state before capturing a graph");
       st.grow(after.size + n, stream);
     }
-    // Values first: a bad entry leaves the state as it was.
+    // Values first: a bad entry leaves the state as it was. A call of one small piece (a decode
+    // step) reads first, then checks and appends in one launch (the read changes no state; its
+    // outputs are not defined when the check fails).
     const ConstHeadsView<Stored> q_stored = q != nullptr ? stored(*q) : ConstHeadsView<Stored>{};
-    detail::launch_finite_check<Backend>(st.device_counters(), q != nullptr ? &q_stored : nullptr,
-                                         stored(k), stored(v), stream);
-
     const Index piece = options_.causal ? options_.chunk : n;
+    const bool small = n <= piece && st.keep_ != 0 &&
+                       detail::small_call(n, st.heads(), q != nullptr ? q->heads : 0);
+    if (!small)
+      detail::launch_finite_check<Backend>(st.device_counters(),
+                                           q != nullptr ? &q_stored : nullptr, stored(k),
+                                           stored(v), stream);
+
     for (Index c0 = 0; c0 < n; c0 += piece) {
       const Index len = std::min(piece, n - c0);
       if (q != nullptr)
@@ -290,7 +297,14 @@ class BasicSelfAttention {
              o->middle_rows(c0, len),
              lse != nullptr ? lse->middle_rows(c0, len) : HeadsView<Compute>{},
              static_cast<Index>(after.size), capturing, where, stream);
-      append(st, k.middle_rows(c0, len), v.middle_rows(c0, len), stream);
+      if (small) {
+        detail::launch_check_copy<Backend>(st.device_counters(),
+                                           q != nullptr ? &q_stored : nullptr, stored(k),
+                                           stored(v), append_copy(st), append_count(st, n),
+                                           stream);
+      } else {
+        append(st, k.middle_rows(c0, len), v.middle_rows(c0, len), stream);
+      }
       after.tokens += len;
       after.size = st.keep_ >= 0 ? std::min<std::int64_t>(after.size + len, st.keep_)
                                  : after.size + len;
@@ -317,23 +331,38 @@ class BasicSelfAttention {
     p.lse = {lse.data, lse.head_stride, lse.row_stride};
     const kernels::ReadPlan plan = read_plan(st, p.group, p.n_queries, rows, capturing);
     Compute* ws = st.template workspace<Compute>(plan.workspace_scalars, stream, where);
-    kernels::launch_read<Backend>(p, plan, ws, stream);
+    kernels::launch_read<Backend>(p, plan, ws, stream,
+                                  st.arrivals(plan.arrival_counters, stream, where));
   }
 
-  void append(State& st, ConstHeadsView<Scalar> k, ConstHeadsView<Scalar> v, Stream stream) const {
+  // Rows into the cache (its ring, or after its rows), and the counters' append of n rows.
+  kernels::CopyRowsParams<Stored> append_copy(const State& st) const {
     kernels::CopyRowsParams<Stored> c;
-    c.src[0] = stored(k);
-    c.src[1] = stored(v);
     c.dst[0] = stored(st.keys());
     c.dst[1] = stored(st.values());
     c.counters = st.device_counters();
     c.ring = st.ring();
     c.limit = st.capacity_;
+    return c;
+  }
+  kernels::CounterParams append_count(const State& st, Index n) const {
+    kernels::CounterParams u;
+    u.counters = st.device_counters();
+    u.op = kernels::CounterOp::append;
+    u.n = n;
+    u.keep = st.keep_;
+    u.limit = st.capacity_;
+    return u;
+  }
+
+  void append(State& st, ConstHeadsView<Scalar> k, ConstHeadsView<Scalar> v, Stream stream) const {
+    kernels::CopyRowsParams<Stored> c = append_copy(st);
+    c.src[0] = stored(k);
+    c.src[1] = stored(v);
     if (st.keep_ != 0)
       Backend::template launch<kernels::CopyRowsProgram<Stored>>(
           Grid{static_cast<int>(k.rows), static_cast<int>(st.heads()), 1}, c, stream);
-    detail::launch_counters<Backend>(st.device_counters(), kernels::CounterOp::append, k.rows,
-                                     st.capacity_, nullptr, stream, st.keep_);
+    Backend::template launch<kernels::CounterProgram>(Grid{}, append_count(st, k.rows), stream);
   }
 
   Options options_;

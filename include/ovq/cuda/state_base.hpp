@@ -78,6 +78,20 @@ class StateBase {
   }
   std::size_t workspace_bytes() const { return workspace_.size(); }
 
+  // At least `count` arrival counters, all 0 (the split decode reads' per-tile counters, which
+  // their last blocks set back to 0), grown and zeroed when needed; inside a graph capture they
+  // cannot grow: reserve() sizes them.
+  std::int64_t* arrivals(std::size_t count, Stream stream, const char* where) {
+    if (arrivals_.size() < count) {
+      ovq::detail::require(!Backend::capturing(stream), where, "the state holds ",
+                           arrivals_.size(), " arrival counters, expected ", count,
+                           ": reserve the state before capturing a graph");
+      arrivals_ = DeviceBuffer<std::int64_t, Backend>(count, stream);
+      Backend::zero(arrivals_.data(), arrivals_.bytes(), stream);
+    }
+    return arrivals_.data();
+  }
+
  private:
   static std::string fault_message(std::int64_t fault) {
     std::string why;
@@ -95,6 +109,7 @@ class StateBase {
   StateCounters host_{};
   bool stale_ = false;
   DeviceBuffer<unsigned char, Backend> workspace_;
+  DeviceBuffer<std::int64_t, Backend> arrivals_;
 };
 
 }  // namespace ovq::cuda

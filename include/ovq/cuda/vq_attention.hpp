@@ -287,8 +287,10 @@ class BasicVqAttention {
   void reserve(State& state, Index query_heads, Stream stream = {}) const {
     check_state("reserve", state);
     detail::check_query_heads("reserve", query_heads, state.heads());
-    const Workspace w = layout(state, read_plan(state, query_heads / state.heads(), 1));
+    const kernels::ReadPlan plan = read_plan(state, query_heads / state.heads(), 1);
+    const Workspace w = layout(state, plan);
     state.template workspace<unsigned char>(w.layout.bytes(), stream, "reserve");
+    state.arrivals(plan.arrival_counters, stream, "reserve");
   }
 
  private:
@@ -404,7 +406,7 @@ class BasicVqAttention {
         if (lse != nullptr) p.lse = {lse->data + pos * lse->row_stride, lse->head_stride,
                                      lse->row_stride};
         kernels::launch_read<Backend>(p, plan, WorkspaceLayout::at<Compute>(ws, w.partials),
-                                      stream);
+                                      stream, st.arrivals(plan.arrival_counters, stream, where));
       }
       if (after.pending == chunk || capturing) {
         kernels::DictionaryWriteParams<Compute, Stored> d;
@@ -426,10 +428,10 @@ class BasicVqAttention {
         d.group_end = WorkspaceLayout::at<Index>(ws, w.group_end);
         if constexpr (State::kSeparateMeans)
           d.read_values = {st.values_.data(), st.codebook_size() * st.value_dim(), st.value_dim()};
+        d.complete = true;  // the write's last block completes the chunk in the counters
+        d.states = st.heads();
         Backend::template launch<kernels::DictionaryWriteProgram<Compute, Stored>>(
             Grid{1, heads, 1}, d, stream);
-        detail::launch_counters<Backend>(st.device_counters(), kernels::CounterOp::complete, 0,
-                                         chunk, nullptr, stream);
         if (after.pending == chunk) {
           after.absorbed += chunk;
           after.pending = 0;

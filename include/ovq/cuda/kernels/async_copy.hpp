@@ -87,6 +87,17 @@ OVQ_HOST_DEVICE inline void copy_piece_async(E* dst, const E* row, Index c, Inde
   }
 }
 
+// A load of device memory that another block of the same launch wrote (and fenced): from L2,
+// past this multiprocessor's L1.
+template <class T>
+OVQ_HOST_DEVICE inline T load_coherent(const T* p) {
+#if defined(OVQ_DEVICE_PASS)
+  return __ldcg(p);
+#else
+  return *p;
+#endif
+}
+
 // kN consecutive entries of shared memory at src (aligned to their size, 8 or 16 bytes) into
 // registers: one vector load on a GPU.
 template <int kN, class S>

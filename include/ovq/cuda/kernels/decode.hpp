@@ -5,8 +5,9 @@
 //   DecodeReadProgram<Scalar, kD, kRows>   block (tile, state, z): merge block z of a query tile
 //                                          of kRows stacked rows (a decode: a group's query
 //                                          heads at a few positions), its partial (o, m, l) per
-//                                          row into the workspace for MergeProgram (split mode
-//                                          only).
+//                                          row into the workspace (split mode only); the tile's
+//                                          last block to finish merges them (MergeProgram's
+//                                          merge_if_last) when the plan gives arrival counters.
 //
 // A decode tile's valid rows are a prefix of its kRows (often one: a query head at one
 // position). ReadProgram's layout gives each row 16 threads whether it is valid or not, and
@@ -123,6 +124,7 @@ struct DecodeReadProgram {
       for (Index t = sw.first_tile(b); t <= sw.last_tile(b); ++t)
         fold_tile(block, p, ext, sw.axis, qt, tile, s, rows, t, sw.next_tile(b, t), sh, th);
     write_partial(block, p, tile, s, index.z, rows, th);
+    MergeProgram<Scalar, kD, kRows>::merge_if_last(block, p, tile, s, kThreads);
   }
 
   // Folds key tile t, whose keys are staged, into the valid rows' state; stages its values and
@@ -297,7 +299,7 @@ struct DecodeReadProgram {
 //
 //   TensorDecodeProgram<Bits, kD>   block (tile, state, z): merge block z of a tile of 16 rows,
 //                                   its partial (o, m, l) per row into the workspace (split
-//                                   mode only).
+//                                   mode only), merged as DecodeReadProgram's.
 //
 // TensorReadProgram gives a tile of 16 rows one warp, which then computes every tile's S, P and
 // P V alone. Here warp w computes S for keys [16 w, 16 w + 16) of each key tile and P V for its
@@ -402,6 +404,7 @@ struct TensorDecodeProgram {
       for (Index t = sw.first_tile(b); t <= sw.last_tile(b); ++t)
         fold_tile(block, p, ext, sw.axis, qt, tile, s, t, sw.next_tile(b, t), halves, floats, th);
     write_partial(block, p, tile, s, index.z, th);
+    MergeProgram<float, kD, kRows, Bits>::merge_if_last(block, p, tile, s, kThreads);
   }
 
   template <class Block, class Th>

@@ -46,6 +46,7 @@
 #include "ovq/cuda/kernels/async_copy.hpp"
 #include "ovq/cuda/kernels/half.hpp"
 #include "ovq/cuda/kernels/read.hpp"
+#include "ovq/cuda/kernels/rows.hpp"
 #include "ovq/kernels/seed.hpp"
 #include "ovq/kernels/update.hpp"
 #include "ovq/state/dictionary_rows.hpp"
@@ -93,6 +94,10 @@ struct DictionaryWriteParams {
   // The chunk's keys are staged in shared memory, widened, when they take at most this many
   // bytes (0: never; the tests compare the two paths).
   std::size_t staged_keys_max = 96 * 1024;
+  // complete: the last of the `states` blocks to finish completes the chunk in the counters
+  // (CounterOp::complete with `opened`), in place of a CounterProgram launch after this one.
+  bool complete = false;
+  Index states = 1;
 };
 
 template <class Scalar, class Input = Scalar>
@@ -383,6 +388,17 @@ struct DictionaryWriteProgram {
     if constexpr (is_half_bits_v<Input>) {
       if (p.read_values.data != nullptr)
         publish(block, p, s, dict, assigned, order, group_end, n0, m);
+    }
+    if (p.complete && block.last_to_arrive(&p.counters->arrivals, p.states)) {
+      block.each([&](int t) {
+        if (t != 0) return;
+        CounterParams u;
+        u.counters = p.counters;
+        u.op = CounterOp::complete;
+        u.limit = L;
+        u.opened = p.opened;
+        apply_counter_op(u);
+      });
     }
   }
 

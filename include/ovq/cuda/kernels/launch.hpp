@@ -3,6 +3,7 @@
 // read's tile choice (prefill or decode), grid and workspace.
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <type_traits>
 
 #include "ovq/core/error.hpp"
@@ -58,6 +59,7 @@ struct ReadPlan {
   int tiles = 1;
   int splits = 1;
   std::size_t workspace_scalars = 0;
+  std::size_t arrival_counters = 0;  // a decode's: one per (state, tile)
 };
 
 // max_slots: an upper bound of the key slots the read can see (memory rows + local rows).
@@ -81,13 +83,17 @@ ReadPlan plan_read(Index states, Index group, Index n_queries, Index width, Inde
     plan.workspace_scalars = static_cast<std::size_t>(states) * plan.tiles * plan.splits * rows *
                              (padded_width(width) + 2);
   }
+  if (plan.decode) plan.arrival_counters = static_cast<std::size_t>(states) * plan.tiles;
   return plan;
 }
 
+// arrivals: a decode's per-(state, tile) arrival counters (plan.arrival_counters of them, all 0),
+// with which its last blocks merge the tiles themselves; null: a MergeProgram launch merges.
 template <class Backend, class Scalar, class Stored>
 void launch_read(ReadParams<Scalar, Stored> p, const ReadPlan& plan, Scalar* workspace,
-                 typename Backend::Stream stream) {
+                 typename Backend::Stream stream, std::int64_t* arrivals = nullptr) {
   if (p.n_queries == 0 || p.states == 0) return;
+  p.arrivals = plan.decode ? arrivals : nullptr;
   // The decode programs fold one merge block a block: they run split only.
   ovq::detail::require(!plan.decode || plan.splits > 1, "launch_read", "a decode plan has ",
                        plan.splits, " splits, expected at least 2");
@@ -104,10 +110,12 @@ void launch_read(ReadParams<Scalar, Stored> p, const ReadPlan& plan, Scalar* wor
       if (plan.decode) {
         if constexpr (kD <= 128) {
           Backend::template launch<TensorDecodeProgram<Stored, kD>>(grid, p, stream);
+          if (p.arrivals == nullptr)
+            Backend::template launch<MergeProgram<Scalar, kD, kDecode, Stored>>(merge, p, stream);
         } else {
           Backend::template launch<TensorReadProgram<Stored, kD, kDecode>>(grid, p, stream);
+          Backend::template launch<MergeProgram<Scalar, kD, kDecode, Stored>>(merge, p, stream);
         }
-        Backend::template launch<MergeProgram<Scalar, kD, kDecode, Stored>>(merge, p, stream);
       } else {
         Backend::template launch<TensorReadProgram<Stored, kD, kPrefill>>(grid, p, stream);
         if (plan.splits > 1)
@@ -115,7 +123,8 @@ void launch_read(ReadParams<Scalar, Stored> p, const ReadPlan& plan, Scalar* wor
       }
     } else if (plan.decode) {
       Backend::template launch<DecodeReadProgram<Scalar, kD, kDecode>>(grid, p, stream);
-      Backend::template launch<MergeProgram<Scalar, kD, kDecode>>(merge, p, stream);
+      if (p.arrivals == nullptr)
+        Backend::template launch<MergeProgram<Scalar, kD, kDecode>>(merge, p, stream);
     } else {
       Backend::template launch<ReadProgram<Scalar, kD, kPrefill>>(grid, p, stream);
       if (plan.splits > 1)

@@ -146,6 +146,9 @@ struct ReadParams {
   MutableHeadRows<Scalar> lse;
   int tiles = 1;   // query tiles per state (grid.x)
   int splits = 1;  // grid.z
+  // Split decode: one arrival counter per (state, tile) (s * tiles + tile), 0 between launches:
+  // the tile's last split block merges it (no MergeProgram launch). Null: MergeProgram merges.
+  std::int64_t* arrivals = nullptr;
 
   // The logit scale of query head g of state s (in 32 bits: heads and counts are small, and a
   // 64-bit remainder is a long instruction sequence on a GPU).
@@ -733,36 +736,54 @@ struct MergeProgram {
   template <class Block>
   OVQ_HOST_DEVICE static void run(Block& block, const Params& p, BlockIndex index) {
     if (p.only_if_pending >= 0 && p.counters->pending != p.only_if_pending) return;
-    const Index s = index.y, tile = index.x;
+    block.each([&](int tid) { merge_entries(p, index.x, index.y, tid); });
+  }
+
+  // Item i of kRows x 16: stacked row i / 16 of (tile, state s), its columns i % 16 + 16 c: the
+  // splits' partials merged in order, then the outputs (and the log-sum-exp). A decode program
+  // that merges its own tile (its last block to finish) reads partials other blocks wrote in
+  // the same launch, past this multiprocessor's L1 (coherent loads).
+  OVQ_HOST_DEVICE static void merge_entries(const Params& p, Index tile, Index s, int i) {
     const QueryTiling qt = QueryTiling::make(p.group, p.n_queries, kRows);
+    const Index r = i / 16;
+    const int kg = i % 16;
+    const RowPlace rp = row_place(p, qt, tile, r);
+    if (!rp.valid) return;
+    Scalar o[kD / 16];
+    OVQ_UNROLL
+    for (int c = 0; c < kD / 16; ++c) o[c] = Scalar(0);
+    SoftmaxStats<Scalar> st;
+    for (int z = 0; z < p.splits; ++z) {
+      const Scalar* part =
+          p.partials + (((s * p.tiles + tile) * p.splits + z) * kRows + r) * (kD + 2);
+      SoftmaxStats<Scalar> b;
+      b.m = load_coherent(part + kD);
+      b.l = load_coherent(part + kD + 1);
+      const MergeWeights<Scalar> w = merge_weights<ExactExp>(st, b);
+      OVQ_UNROLL
+      for (int c = 0; c < kD / 16; ++c)
+        o[c] = merge_entry<true>(w, o[c], load_coherent(part + kg + 16 * c));
+      st = w.stats;
+    }
+    Stored* out = p.o.row(s * p.group + rp.head, rp.position);
+    OVQ_UNROLL
+    for (int c = 0; c < kD / 16; ++c) {
+      const Index col = kg + 16 * c;
+      if (col < p.dv) out[col] = output_entry<Stored>(o[c]);
+    }
+    if (kg == 0 && p.lse.data != nullptr)
+      p.lse.row(s * p.group + rp.head, rp.position)[0] = log_sum_exp(st);
+  }
+
+  // A decode program's end: unless its plan merges in a MergeProgram launch (p.arrivals null),
+  // the last of the tile's split blocks to finish merges the tile, with its kThreads threads.
+  template <class Block>
+  OVQ_HOST_DEVICE static void merge_if_last(Block& block, const Params& p, Index tile, Index s,
+                                            int threads) {
+    if (p.arrivals == nullptr) return;
+    if (!block.last_to_arrive(p.arrivals + s * p.tiles + tile, p.splits)) return;
     block.each([&](int tid) {
-      const Index r = tid / 16;
-      const int kg = tid % 16;
-      const RowPlace rp = row_place(p, qt, tile, r);
-      if (!rp.valid) return;
-      Scalar o[kD / 16];
-      OVQ_UNROLL
-      for (int c = 0; c < kD / 16; ++c) o[c] = Scalar(0);
-      SoftmaxStats<Scalar> st;
-      for (int z = 0; z < p.splits; ++z) {
-        const Scalar* part =
-            p.partials + (((s * p.tiles + tile) * p.splits + z) * kRows + r) * (kD + 2);
-        SoftmaxStats<Scalar> b;
-        b.m = part[kD];
-        b.l = part[kD + 1];
-        const MergeWeights<Scalar> w = merge_weights<ExactExp>(st, b);
-        OVQ_UNROLL
-        for (int c = 0; c < kD / 16; ++c) o[c] = merge_entry<true>(w, o[c], part[kg + 16 * c]);
-        st = w.stats;
-      }
-      Stored* out = p.o.row(s * p.group + rp.head, rp.position);
-      OVQ_UNROLL
-      for (int c = 0; c < kD / 16; ++c) {
-        const Index col = kg + 16 * c;
-        if (col < p.dv) out[col] = output_entry<Stored>(o[c]);
-      }
-      if (kg == 0 && p.lse.data != nullptr)
-        p.lse.row(s * p.group + rp.head, rp.position)[0] = log_sum_exp(st);
+      for (int i = tid; i < kThreads; i += threads) merge_entries(p, tile, s, i);
     });
   }
 };

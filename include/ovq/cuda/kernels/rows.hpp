@@ -92,6 +92,21 @@ struct CopyRowsParams {
   Index limit = 0;  // rows dst holds per state
 };
 
+// The state row that row i of the call goes to, or -1 when it is not copied (the state has a
+// fault, the rows would not fit, or a later row of the same call takes its ring slot).
+template <class Scalar>
+OVQ_HOST_DEVICE Index copy_slot(const CopyRowsParams<Scalar>& p, const StateCounters& c, Index i) {
+  const Index n = p.src[0].rows;
+  if (c.fault != 0) return -1;
+  if (p.ring > 0) {
+    if (i < n - p.ring) return -1;  // overwritten by a later row of the same call
+    return static_cast<Index>((c.tokens + i) % p.ring);
+  }
+  const Index base = static_cast<Index>(p.to_pending ? c.pending : c.size);
+  if (base + n > p.limit) return -1;
+  return base + i;
+}
+
 template <class Scalar>
 struct CopyRowsProgram {
   using Params = CopyRowsParams<Scalar>;
@@ -102,18 +117,8 @@ struct CopyRowsProgram {
   template <class Block>
   OVQ_HOST_DEVICE static void run(Block& block, const Params& p, BlockIndex index) {
     const Index i = index.x, s = index.y;
-    const StateCounters& c = *p.counters;
-    const Index n = p.src[0].rows;
-    if (c.fault != 0) return;
-    Index slot;
-    if (p.ring > 0) {
-      if (i < n - p.ring) return;  // overwritten by a later row of the same call
-      slot = static_cast<Index>((c.tokens + i) % p.ring);
-    } else {
-      const Index base = static_cast<Index>(p.to_pending ? c.pending : c.size);
-      if (base + n > p.limit) return;
-      slot = base + i;
-    }
+    const Index slot = copy_slot(p, *p.counters, i);
+    if (slot < 0) return;
     block.each([&](int t) {
       for (int a = 0; a < 2; ++a) {
         const Scalar* from = p.src[a].row(s, i);
@@ -145,6 +150,45 @@ struct CounterParams {
   const std::int64_t* opened = nullptr;
 };
 
+// The counter update itself (one thread).
+OVQ_HOST_DEVICE inline void apply_counter_op(const CounterParams& p) {
+  StateCounters& c = *p.counters;
+  if (c.fault != 0) return;
+  switch (p.op) {
+    case CounterOp::append: {
+      if (p.keep < 0 && c.size + p.n > p.limit) {
+        c.fault |= kFaultCapacity;
+        return;
+      }
+      c.tokens += p.n;
+      c.size += p.n;
+      if (p.keep >= 0 && c.size > p.keep) c.size = p.keep;
+      break;
+    }
+    case CounterOp::push: {
+      if (c.pending + p.n > p.limit) {
+        c.fault |= kFaultCapacity;
+        return;
+      }
+      c.tokens += p.n;
+      c.pending += p.n;
+      break;
+    }
+    case CounterOp::complete: {
+      if (c.pending != p.limit) return;
+      c.absorbed += c.pending;
+      c.pending = 0;
+      if (p.opened != nullptr) {
+        // Written by another block of the same launch when a write completes its own chunk.
+        const volatile std::int64_t* opened = p.opened;
+        c.size += opened[0];
+        c.schedule += opened[1];
+      }
+      break;
+    }
+  }
+}
+
 struct CounterProgram {
   using Params = CounterParams;
   static constexpr int kThreads = 1;
@@ -152,40 +196,72 @@ struct CounterProgram {
 
   template <class Block>
   OVQ_HOST_DEVICE static void run(Block& block, const Params& p, BlockIndex) {
-    block.each([&](int) {
-      StateCounters& c = *p.counters;
-      if (c.fault != 0) return;
-      switch (p.op) {
-        case CounterOp::append: {
-          if (p.keep < 0 && c.size + p.n > p.limit) {
-            c.fault |= kFaultCapacity;
-            return;
-          }
-          c.tokens += p.n;
-          c.size += p.n;
-          if (p.keep >= 0 && c.size > p.keep) c.size = p.keep;
-          break;
-        }
-        case CounterOp::push: {
-          if (c.pending + p.n > p.limit) {
-            c.fault |= kFaultCapacity;
-            return;
-          }
-          c.tokens += p.n;
-          c.pending += p.n;
-          break;
-        }
-        case CounterOp::complete: {
-          if (c.pending != p.limit) return;
-          c.absorbed += c.pending;
-          c.pending = 0;
-          if (p.opened != nullptr) {
-            c.size += p.opened[0];
-            c.schedule += p.opened[1];
-          }
-          break;
+    block.each([&](int) { apply_counter_op(p); });
+  }
+};
+
+// ---- a small call's check, copy and counter update in one block ----
+
+// The three launches of a call with a few rows a head (a decode step) as one block: Q, K and V
+// finite, else the fault and nothing else (CheckFiniteProgram); then K's and V's rows into the
+// state (CopyRowsProgram) and the counters' update (CounterProgram: push or append). The same
+// effects as the three in turn, for two launches less.
+template <class Scalar>
+struct CheckCopyParams {
+  CheckFiniteParams<Scalar> check;
+  CopyRowsParams<Scalar> copy;
+  CounterParams count;
+};
+
+template <class Scalar>
+struct CheckCopyProgram {
+  using Params = CheckCopyParams<Scalar>;
+  static constexpr int kThreads = 256;
+  // The calls it takes: at most this many rows (heads x rows per head) in each input.
+  static constexpr Index kMaxRows = 256;
+  static std::size_t shared_bytes(const Params&) { return sizeof(int); }
+
+  template <class Block>
+  OVQ_HOST_DEVICE static void run(Block& block, const Params& p, BlockIndex) {
+    int* bad = static_cast<int*>(block.shared());
+    block.each([&](int t) {
+      if (t == 0) *bad = 0;
+    });
+    // Every entry of every input, 32-bit indices (a small call).
+    block.each([&](int t) {
+      bool ok = true;
+      for (int a = 0; a < p.check.count; ++a) {
+        const ConstHeadsView<Scalar>& in = p.check.inputs[a];
+        const int cols = static_cast<int>(in.cols), rows = static_cast<int>(in.rows);
+        const int entries = static_cast<int>(in.heads) * rows * cols;
+        for (int e = t; e < entries; e += kThreads) {
+          const int r = e / cols;
+          ok = ok && finite_bits(in.row(r / rows, r % rows)[e - r * cols]);
         }
       }
+      if (!ok) *bad = 1;
+    });
+    if (*bad != 0) {
+      block.each([&](int t) {
+        if (t == 0) raise_fault(p.check.counters, kFaultNonFinite);
+      });
+      return;
+    }
+    block.each([&](int t) {
+      const StateCounters& c = *p.copy.counters;
+      for (int a = 0; a < 2; ++a) {
+        const ConstHeadsView<Scalar>& from = p.copy.src[a];
+        const int cols = static_cast<int>(from.cols), rows = static_cast<int>(from.rows);
+        const int entries = static_cast<int>(from.heads) * rows * cols;
+        for (int e = t; e < entries; e += kThreads) {
+          const int r = e / cols, col = e - r * cols;
+          const Index slot = copy_slot(p.copy, c, r % rows);
+          if (slot >= 0) p.copy.dst[a].row(r / rows, slot)[col] = from.row(r / rows, r % rows)[col];
+        }
+      }
+    });
+    block.each([&](int t) {
+      if (t == 0) apply_counter_op(p.count);
     });
   }
 };
