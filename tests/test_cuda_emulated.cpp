@@ -812,6 +812,19 @@ TEST_CASE("cuda small calls (emulated): one launch checks, copies and counts as 
     const auto whole = run_device(mixer, make(), in, {});
     CHECK(same_bits(stepped.o, whole.o));
     for (Index h = 0; h < heads; ++h) CHECK(stepped.states[h] == whole.states[h]);
+    {
+      // Every arrival counter is back at 0 after steps (the decode reads' tiles, and the
+      // dictionary writes' in the state's counters).
+      auto state = make();
+      const Rows<S> q(in.q, heads * group, nullptr), k(in.k, heads, nullptr),
+          v(in.v, heads, nullptr), o(heads * group, t, dv, nullptr);
+      ovq::test::feed_pieces(mixer, state, q, k, v, o, std::vector<Index>(40, 1), nullptr);
+      state.synchronize(nullptr);
+      CHECK(state.counters().arrivals == 0);
+      REQUIRE(state.arrival_count() > 0);
+      for (std::size_t i = 0; i < state.arrival_count(); ++i)
+        CHECK(state.arrival_counters()[i] == 0);
+    }
     // A NaN in Q, K or V of a step (the last head, token 20).
     for (int which = 0; which < 3; ++which) {
       INFO("NaN in " << "QKV"[which]);

@@ -126,11 +126,13 @@ class DeviceBlock {
   // Whether this block is the last of `blocks` to arrive (an integer atomic: the blocks finish
   // in any order, and the one that finishes last sees every other's writes, fenced before its
   // arrival).
+  // (The barrier orders the block's writes before thread 0's fence, which releases them with
+  // its arrival; the last block's thread 0 fences again before the block reads.)
   __device__ bool last_to_arrive(std::int64_t* arrivals, std::int64_t blocks) {
     __shared__ int last;
-    __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
+      __threadfence();
       const auto before = static_cast<std::int64_t>(
           atomicAdd(reinterpret_cast<unsigned long long*>(arrivals), 1ull));
       last = before + 1 == blocks ? 1 : 0;

@@ -64,6 +64,9 @@ struct Device {
       int limit = 0;
       check_cuda(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
                  "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)");
+      cudaFuncAttributes attributes{};
+      check_cuda(cudaFuncGetAttributes(&attributes, run_program<P>), "cudaFuncGetAttributes");
+      limit -= static_cast<int>(attributes.sharedSizeBytes);  // the static part (block.hpp's)
       if (shared > static_cast<std::size_t>(limit))
         throw Error(ovq::detail::concat(
             "cuda: a kernel needs ", shared, " bytes of shared memory a block, device ", device,

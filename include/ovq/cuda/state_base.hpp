@@ -25,6 +25,9 @@ class StateBase {
   const StateCounters& counters() const { return host_; }
   StateCounters* device_counters() const { return device_.data(); }
   bool stale() const { return stale_; }
+  // The split decode reads' arrival counters in device memory (0 between launches), and how many.
+  const std::int64_t* arrival_counters() const { return arrivals_.data(); }
+  std::size_t arrival_count() const { return arrivals_.size(); }
 
   // Waits for the state's work on `stream`, reads the device's counters, and reports a call
   // that could not be carried out: it throws ovq::ArgumentError naming why, and clears the

@@ -199,24 +199,8 @@ struct AssignProgram {
         Thread& me = th[t];
         const int kg = t % kGroups, rg = t / kGroups;
         Scalar dot[kRPT][kKPT];
-        OVQ_UNROLL
-        for (int i = 0; i < kRPT; ++i)
-          OVQ_UNROLL
-          for (int j = 0; j < kKPT; ++j) dot[i][j] = Scalar(0);
-        // Each score one FMA chain over the features in order, kVec per vector load.
-        for (int f = 0; f < kD; f += kVec) {
-          Scalar x[kRPT][kVec], c[kKPT][kVec];
-          OVQ_UNROLL
-          for (int i = 0; i < kRPT; ++i) load_vector(xs + (rg * kRPT + i) * kStride + f, x[i]);
-          OVQ_UNROLL
-          for (int j = 0; j < kKPT; ++j) load_vector(cs + (kg + kGroups * j) * kStride + f, c[j]);
-          OVQ_UNROLL
-          for (int e = 0; e < kVec; ++e)
-            OVQ_UNROLL
-            for (int i = 0; i < kRPT; ++i)
-              OVQ_UNROLL
-              for (int j = 0; j < kKPT; ++j) dot[i][j] = std::fma(x[i][e], c[j][e], dot[i][j]);
-        }
+        dot_block<kD>(xs + rg * kRPT * kStride, kStride, cs + kg * kStride, kGroups * kStride,
+                      dot);
         OVQ_UNROLL
         for (int i = 0; i < kRPT; ++i)
           OVQ_UNROLL

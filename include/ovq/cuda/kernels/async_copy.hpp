@@ -13,6 +13,7 @@
 // Why: a tile staged by plain loads waits for each thread's loads in turn (a few in flight per
 // thread, each a full trip to device memory); staged by cp.async, every piece of the tile is in
 // flight at once, and the next tile's pieces load while this one is computed.
+#include <cmath>
 #include <cstring>
 
 #include "ovq/config.hpp"
@@ -116,6 +117,32 @@ OVQ_HOST_DEVICE inline void load_vector(const S* src, S (&dst)[kN]) {
 #else
   for (int i = 0; i < kN; ++i) dst[i] = src[i];
 #endif
+}
+
+// A thread's block of dot products: dot[i][j] = one FMA chain over the kD features, in order,
+// of the rows a + i a_step and b + j b_step (shared memory, 16-byte aligned, read 16 bytes at a
+// time): the scores of a read or an assignment, whatever the tiling.
+template <int kD, int kA, int kB, class S>
+OVQ_HOST_DEVICE inline void dot_block(const S* a, int a_step, const S* b, int b_step,
+                                      S (&dot)[kA][kB]) {
+  constexpr int kVec = static_cast<int>(16 / sizeof(S));
+  OVQ_UNROLL
+  for (int i = 0; i < kA; ++i)
+    OVQ_UNROLL
+    for (int j = 0; j < kB; ++j) dot[i][j] = S(0);
+  for (int c = 0; c < kD; c += kVec) {
+    S x[kA][kVec], y[kB][kVec];
+    OVQ_UNROLL
+    for (int i = 0; i < kA; ++i) load_vector(a + i * a_step + c, x[i]);
+    OVQ_UNROLL
+    for (int j = 0; j < kB; ++j) load_vector(b + j * b_step + c, y[j]);
+    OVQ_UNROLL
+    for (int f = 0; f < kVec; ++f)
+      OVQ_UNROLL
+      for (int i = 0; i < kA; ++i)
+        OVQ_UNROLL
+        for (int j = 0; j < kB; ++j) dot[i][j] = std::fma(x[i][f], y[j][f], dot[i][j]);
+  }
 }
 
 }  // namespace ovq::cuda::kernels

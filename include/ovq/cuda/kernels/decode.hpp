@@ -149,16 +149,9 @@ struct DecodeReadProgram {
       for (int i = 0; i < kScoreRows; ++i) {
         const int r = tid / kTile + kRowSets * i;
         if (r >= rows) break;
-        const Scalar* q = sh + kQ + r * kStride;
-        Scalar dot = Scalar(0);
-        for (int c = 0; c < kD; c += kVec) {
-          Scalar qv[kVec], kv[kVec];
-          load_vector(q + c, qv);
-          load_vector(k + c, kv);
-          OVQ_UNROLL
-          for (int f = 0; f < kVec; ++f) dot = std::fma(qv[f], kv[f], dot);
-        }
-        Scalar x = ovq::detail::mul_rn(dot, me.beta[i]);
+        Scalar dot[1][1];
+        dot_block<kD>(sh + kQ + r * kStride, 0, k, 0, dot);
+        Scalar x = ovq::detail::mul_rn(dot[0][0], me.beta[i]);
         if (biased) {
           const Scalar bias = p.bias.row(s, slot - axis.pad)[0];
           x = x + (p.count_bias || !(bias >= Scalar(0)) ? bias : Scalar(0));
@@ -519,24 +512,9 @@ struct TensorDecodeProgram {
       OVQ_UNROLL
       for (int h = 0; h < 2; ++h) {
         const int r = entry_row(tid, 2 * h);
-        const float m_new = me.m_new[h];
-        if (m_new == -INFINITY) continue;
         float sum = 0.0f;
         for (int u = 0; u < 4; ++u) sum = sum + floats[kRedSum + r * 4 + u];
-        SoftmaxStats<float>& st = me.st[h];
-        if (st.m != m_new) {
-          const float alpha =
-              st.m == -INFINITY ? 0.0f : ovq::detail::exp_nonpositive(st.m - m_new);
-          st.l = ovq::detail::mul_rn(st.l, alpha);
-          OVQ_UNROLL
-          for (int n = 0; n < kO; ++n)
-            OVQ_UNROLL
-            for (int e = 0; e < 2; ++e)
-              me.o[n][2 * h + e] =
-                  alpha == 0.0f ? 0.0f : ovq::detail::mul_rn(me.o[n][2 * h + e], alpha);
-          st.m = m_new;
-        }
-        st.l = st.l + sum;
+        update_row(me.st[h], me.m_new[h], sum, me.o, h);
       }
       const int col0 = warp(tid) * (kD / kWarps);
       OVQ_UNROLL

@@ -506,26 +506,8 @@ struct ReadProgram {
       Thread& me = th[tid];
       const int kg = tid % kGroups, rg = tid / kGroups;
       Scalar dot[kRPT][kKPT];
-      OVQ_UNROLL
-      for (int i = 0; i < kRPT; ++i)
-        OVQ_UNROLL
-        for (int j = 0; j < kKPT; ++j) dot[i][j] = Scalar(0);
-      // Each score one FMA chain over the features in order, kVec features per vector load.
-      for (int c = 0; c < kD; c += kVec) {
-        Scalar q[kRPT][kVec], k[kKPT][kVec];
-        OVQ_UNROLL
-        for (int i = 0; i < kRPT; ++i)
-          load_vector(sh + Traits::kQ + (rg * kRPT + i) * Traits::kQStride + c, q[i]);
-        OVQ_UNROLL
-        for (int j = 0; j < kKPT; ++j)
-          load_vector(sh + Traits::kK + (kg + kGroups * j) * Traits::kKStride + c, k[j]);
-        OVQ_UNROLL
-        for (int f = 0; f < kVec; ++f)
-          OVQ_UNROLL
-          for (int i = 0; i < kRPT; ++i)
-            OVQ_UNROLL
-            for (int j = 0; j < kKPT; ++j) dot[i][j] = std::fma(q[i][f], k[j][f], dot[i][j]);
-      }
+      dot_block<kD>(sh + Traits::kQ + rg * kRPT * Traits::kQStride, Traits::kQStride,
+                    sh + Traits::kK + kg * Traits::kKStride, kGroups * Traits::kKStride, dot);
       OVQ_UNROLL
       for (int i = 0; i < kRPT; ++i) {
         const int r = rg * kRPT + i;

@@ -81,6 +81,29 @@ struct TensorReadTraits {
   static constexpr int kFloatsLoop = kTot + kRows * kD;
 };
 
+// A tensor-core read's online-softmax update of row half h of a lane (its entries 2 h and
+// 2 h + 1 of each of the kO column tiles of O) once the tile's maximum m_new and the sum of its
+// rounded weights are known: l and O rescaled when the maximum moved, then l grown by the sum.
+// Nothing when the row has seen no logit (m_new = -inf).
+template <int kO>
+OVQ_HOST_DEVICE void update_row(SoftmaxStats<float>& st, float m_new, float sum,
+                                float (&o)[kO][4], int h) {
+  if (m_new == -INFINITY) return;
+  if (st.m != m_new) {
+    const float alpha = st.m == -INFINITY ? 0.0f : ovq::detail::exp_nonpositive(st.m - m_new);
+    st.l = ovq::detail::mul_rn(st.l, alpha);
+    // alpha = 0: the old rows vanish next to the new maximum (assigned, not multiplied, so that
+    // a sum that rounded to inf leaves no 0 * inf).
+    OVQ_UNROLL
+    for (int n = 0; n < kO; ++n)
+      OVQ_UNROLL
+      for (int e = 0; e < 2; ++e)
+        o[n][2 * h + e] = alpha == 0.0f ? 0.0f : ovq::detail::mul_rn(o[n][2 * h + e], alpha);
+    st.m = m_new;
+  }
+  st.l = st.l + sum;
+}
+
 template <class Bits, int kD, int kRows>
 struct TensorReadProgram {
   using Traits = TensorReadTraits<Bits, kD, kRows>;
@@ -358,26 +381,9 @@ struct TensorReadProgram {
       OVQ_UNROLL
       for (int h = 0; h < 2; ++h) {
         const int r = entry_row(tid, 2 * h);
-        const float m_new = me.m_new[h];
-        if (m_new == -INFINITY) continue;
         float sum = 0.0f;
         for (int u = 0; u < kParts; ++u) sum = sum + sh.floats[Traits::kRedSum + r * kParts + u];
-        SoftmaxStats<float>& st = me.st[h];
-        if (st.m != m_new) {
-          const float alpha =
-              st.m == -INFINITY ? 0.0f : ovq::detail::exp_nonpositive(st.m - m_new);
-          st.l = ovq::detail::mul_rn(st.l, alpha);
-          // alpha = 0: the old rows vanish next to the new maximum (assigned, not multiplied,
-          // so that a sum that rounded to inf leaves no 0 * inf).
-          OVQ_UNROLL
-          for (int n = 0; n < kO; ++n)
-            OVQ_UNROLL
-            for (int e = 0; e < 2; ++e)
-              me.o[n][2 * h + e] =
-                  alpha == 0.0f ? 0.0f : ovq::detail::mul_rn(me.o[n][2 * h + e], alpha);
-          st.m = m_new;
-        }
-        st.l = st.l + sum;
+        update_row(me.st[h], me.m_new[h], sum, me.o, h);
       }
       OVQ_UNROLL
       for (int j = 0; j < kPSteps; ++j) {
