@@ -324,14 +324,17 @@ struct TensorDecodeProgram {
   static constexpr int kQSteps = kD / 16;
   static constexpr int kPSteps = kTile / 16;
   static_assert(kS == 2, "two S column tiles a warp: one ldmatrix of keys");
-  // Shared memory: halves first (row strides padded by 8), then floats.
-  static constexpr int kStride = kD + 8;
-  static constexpr int kPStride = kTile + 8;
-  static constexpr int kQ = 0;
-  static constexpr int kK = kQ + kRows * kStride;
-  static constexpr int kV = kK + kTile * kStride;
-  static constexpr int kP = kV + kTile * kStride;
-  static constexpr int kHalves = (kP + kRows * kPStride + 7) / 8 * 8;
+  // Shared memory: the halves as TensorReadProgram lays out a tile of 16 rows (Q, K, V, P), then
+  // floats.
+  using Layout = TensorReadTraits<Bits, kD, kRows>;
+  static_assert(Layout::kKeyTile == kTile, "TensorReadProgram's key tiles");
+  static constexpr int kStride = Layout::kStride;
+  static constexpr int kPStride = Layout::kPStride;
+  static constexpr int kQ = Layout::kQ;
+  static constexpr int kK = Layout::kK;
+  static constexpr int kV = Layout::kV;
+  static constexpr int kP = Layout::kP;
+  static constexpr int kHalves = Layout::kHalves;
   static constexpr int kRedMax = 0;                       // row r, lane slot 4 w + u
   static constexpr int kRedSum = kRedMax + kRows * 16;    // row r, lane u
   static constexpr int kFloats = kRedSum + kRows * 4;
