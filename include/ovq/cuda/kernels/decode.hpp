@@ -135,6 +135,7 @@ struct DecodeReadProgram {
                                         Index tile, Index s, int rows, Index t, Index next,
                                         Scalar* sh, Th& th) {
     const Index x0 = t * kTile;
+    const TileWindow biased = bias_window(p, axis, x0, kTile);
     // 1. The tile's values start loading. Scores into S.
     block.each([&](int tid) {
       stage_key_tile<kThreads, kD>(tid, p, ext, axis, s, x0, kTile, true, sh + kV, kD);
@@ -142,24 +143,15 @@ struct DecodeReadProgram {
       const Thread& me = th[tid];
       const int j = tid % kTile;
       const Scalar* k = sh + kK + j * kStride;
-      const Index slot = x0 + j;
-      const bool biased =
-          p.bias.data != nullptr && slot >= axis.memory_begin() && slot < axis.local_begin();
       OVQ_UNROLL
       for (int i = 0; i < kScoreRows; ++i) {
         const int r = tid / kTile + kRowSets * i;
         if (r >= rows) break;
         Scalar dot[1][1];
         dot_block<kD>(sh + kQ + r * kStride, 0, k, 0, dot);
-        Scalar x = ovq::detail::mul_rn(dot[0][0], me.beta[i]);
-        if (biased) {
-          const Scalar bias = p.bias.row(s, slot - axis.pad)[0];
-          x = x + (p.count_bias || !(bias >= Scalar(0)) ? bias : Scalar(0));
-        }
-        x = ReadProgram<Scalar, kD, kRows>::saturate(x);
-        const RowPlace rp = row_place(p, qt, tile, r);
-        const Index pos = ext.query_offset + rp.position;
-        if (slot < axis.first(pos) || slot > axis.last(pos)) x = -Scalar(INFINITY);
+        Scalar x = tile_logit(p, axis, biased, s, x0, j, dot[0][0], me.beta[i]);
+        if (!seen_window(ext, axis, row_place(p, qt, tile, r), x0, kTile).holds(j))
+          x = -Scalar(INFINITY);
         sh[kS + r * kTile + j] = x;
       }
     });
@@ -408,11 +400,8 @@ struct TensorDecodeProgram {
                                         const KeyAxisGeometry& axis, const QueryTiling& qt,
                                         Index tile, Index s, Index t, Index next, Bits* halves,
                                         float* floats, Th& th) {
-    using Read = TensorReadProgram<Bits, kD, 64>;
     const Index x0 = t * kTile;
-    const int bias_lo = Read::relative_slot(axis.memory_begin(), x0);
-    const int bias_hi = Read::relative_slot(axis.local_begin(), x0) - 1;
-    const bool any_bias = p.bias.data != nullptr && bias_lo <= bias_hi;
+    const TileWindow biased = bias_window(p, axis, x0, kTile);
     // 1. The tile's values start loading. S over the warp's keys; each lane's maxima.
     block.each([&](int tid) {
       stage_key_tile<kThreads, kD>(tid, p, ext, axis, s, x0, kTile, true, halves + kV, kStride);
@@ -435,30 +424,9 @@ struct TensorDecodeProgram {
       OVQ_UNROLL
       for (int h = 0; h < 2; ++h) {
         const int r = entry_row(tid, 2 * h);
-        const RowPlace rp = row_place(p, qt, tile, r);
-        const Index pos = ext.query_offset + rp.position;
-        int lo = 1, hi = 0;
-        if (rp.valid) {
-          lo = Read::relative_slot(axis.first(pos), x0);
-          hi = Read::relative_slot(axis.last(pos), x0);
-        }
-        const float beta = me.beta[h];
-        float largest = -INFINITY;
-        OVQ_UNROLL
-        for (int n = 0; n < 2; ++n)
-          OVQ_UNROLL
-          for (int e = 0; e < 2; ++e) {
-            const int col = key0 + 8 * n + entry_col(tid, e);
-            float x = ovq::detail::mul_rn(me.s[n][2 * h + e], beta);
-            if (any_bias && col >= bias_lo && col <= bias_hi) {
-              const float bias = p.bias.row(s, x0 + col - axis.pad)[0];
-              x = x + (p.count_bias || !(bias >= 0.0f) ? bias : 0.0f);
-            }
-            x = Read::saturate(x);
-            if (col < lo || col > hi) x = -INFINITY;
-            me.s[n][2 * h + e] = x;
-            if (x > largest) largest = x;
-          }
+        const TileWindow seen = seen_window(ext, axis, row_place(p, qt, tile, r), x0, kTile);
+        const float largest =
+            fragment_logits(p, axis, biased, seen, s, x0, key0, lane, h, me.beta[h], me.s);
         floats[kRedMax + r * 16 + 4 * warp(tid) + (tid & 3)] = largest;
       }
     });

@@ -317,6 +317,60 @@ struct TileSweep {
   }
 };
 
+// A window of a key tile's slots [lo, hi], relative to the tile's first slot x0 and clamped to
+// [-1, key_tile] (empty: lo > hi), so that a per-entry test is two 32-bit compares: the slots
+// with a bias, or the slots a row sees.
+struct TileWindow {
+  int lo = 1, hi = 0;
+  OVQ_HOST_DEVICE bool holds(int col) const { return col >= lo && col <= hi; }
+  OVQ_HOST_DEVICE bool holds_all(int first, int last) const { return lo <= first && hi >= last; }
+};
+// The absolute slots [first, last] within tile x0.
+OVQ_HOST_DEVICE inline TileWindow tile_window(Index first, Index last, Index x0, int key_tile) {
+  const auto clamp = [&](Index slot) {
+    const Index r = slot - x0;
+    return r < -1 ? -1 : (r > key_tile ? key_tile : static_cast<int>(r));
+  };
+  return {clamp(first), clamp(last)};
+}
+// The slots of tile x0 with a bias: the memory rows, when the read has a bias.
+template <class Params>
+OVQ_HOST_DEVICE TileWindow bias_window(const Params& p, const KeyAxisGeometry& axis, Index x0,
+                                       int key_tile) {
+  if (p.bias.data == nullptr) return {};
+  return tile_window(axis.memory_begin(), axis.local_begin() - 1, x0, key_tile);
+}
+// The slots of tile x0 a stacked row sees (none for a row that is no query).
+OVQ_HOST_DEVICE inline TileWindow seen_window(const ReadExtent& ext, const KeyAxisGeometry& axis,
+                                              const RowPlace& rp, Index x0, int key_tile) {
+  if (!rp.valid) return {};
+  const Index pos = ext.query_offset + rp.position;
+  return tile_window(axis.first(pos), axis.last(pos), x0, key_tile);
+}
+
+// A logit saturated to the finite range: an overflowing product of finite inputs, or the NaN
+// of inf - inf inside one, becomes +-max (NaN: -max).
+template <class Scalar>
+OVQ_HOST_DEVICE Scalar saturate_logit(Scalar x) {
+  const Scalar kMax = sizeof(Scalar) == 4 ? Scalar(FLT_MAX) : Scalar(DBL_MAX);
+  if (!(x >= -kMax)) return -kMax;
+  return x > kMax ? kMax : x;
+}
+// The logit of slot col of tile x0 (before the mask), for every read program: the product
+// times the row's beta, plus the slot's bias where it has one (without the count bias, a
+// count's log reads as 0 and an empty row's -inf stays), saturated.
+template <class Params, class Scalar>
+OVQ_HOST_DEVICE Scalar tile_logit(const Params& p, const KeyAxisGeometry& axis,
+                                  const TileWindow& biased, Index s, Index x0, int col,
+                                  Scalar product, Scalar beta) {
+  Scalar x = ovq::detail::mul_rn(product, beta);
+  if (biased.holds(col)) {
+    const Scalar b = p.bias.row(s, x0 + col - axis.pad)[0];
+    x = x + (p.count_bias || !(b >= Scalar(0)) ? b : Scalar(0));
+  }
+  return saturate_logit(x);
+}
+
 // Issues the asynchronous copies (async_copy.hpp) of thread tid's pieces of key tile
 // [x0, x0 + key_tile) of the axis, keys or values, into shared memory at dst (row stride
 // `stride`; zeros for empty slots and past d): piece tid % (kD / kVec) of rows tid / (kD / kVec)
@@ -498,6 +552,7 @@ struct ReadProgram {
                                         Index tile, Index s, Index t, Index next, Scalar* sh,
                                         Th& th) {
     const Index x0 = t * kTile;
+    const TileWindow biased = bias_window(p, axis, x0, kTile);
     // 1. The tile's values start loading. Scores, bias, saturation, mask; each thread's
     //    maximum per row.
     block.each([&](int tid) {
@@ -511,22 +566,13 @@ struct ReadProgram {
       OVQ_UNROLL
       for (int i = 0; i < kRPT; ++i) {
         const int r = rg * kRPT + i;
-        const RowPlace rp = row_place(p, qt, tile, r);
-        const Index pos = ext.query_offset + rp.position;
-        const Index lo = rp.valid ? axis.first(pos) : 1;
-        const Index hi = rp.valid ? axis.last(pos) : 0;  // inclusive
-        const Scalar beta = me.beta[i];
+        const TileWindow seen = seen_window(ext, axis, row_place(p, qt, tile, r), x0, kTile);
         Scalar largest = -Scalar(INFINITY);
         OVQ_UNROLL
         for (int j = 0; j < kKPT; ++j) {
-          Scalar x = ovq::detail::mul_rn(dot[i][j], beta);
-          const Index slot = x0 + kg + kGroups * j;
-          if (p.bias.data != nullptr && slot >= axis.memory_begin() && slot < axis.local_begin()) {
-            const Scalar b = p.bias.row(s, slot - axis.pad)[0];
-            x = x + (p.count_bias || !(b >= Scalar(0)) ? b : Scalar(0));
-          }
-          x = saturate(x);
-          if (slot < lo || slot > hi) x = -Scalar(INFINITY);
+          const int col = kg + kGroups * j;
+          Scalar x = tile_logit(p, axis, biased, s, x0, col, dot[i][j], me.beta[i]);
+          if (!seen.holds(col)) x = -Scalar(INFINITY);
           me.s[i][j] = x;
           if (x > largest) largest = x;
         }
@@ -626,21 +672,6 @@ struct ReadProgram {
       }
       wait_async<0>();
     });
-  }
-
-  // A logit saturated to the finite range: an overflowing product of finite inputs, or the NaN
-  // of inf - inf inside one, becomes +-max (NaN: -max).
-  OVQ_HOST_DEVICE static Scalar saturate(Scalar x) {
-    const Scalar kMax = largest_finite();
-    if (!(x >= -kMax)) return -kMax;
-    return x > kMax ? kMax : x;
-  }
-  OVQ_HOST_DEVICE static Scalar largest_finite() {
-    if constexpr (sizeof(Scalar) == 4) {
-      return FLT_MAX;
-    } else {
-      return DBL_MAX;
-    }
   }
 
   // Loop mode: the finished merge block into the merged result; the next block starts empty.

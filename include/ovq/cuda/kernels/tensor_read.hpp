@@ -81,6 +81,29 @@ struct TensorReadTraits {
   static constexpr int kFloatsLoop = kTot + kRows * kD;
 };
 
+// The logits of row half h of a lane's S fragments (its entries 2 h and 2 h + 1 of kS column
+// tiles of 8 keys from slot key0 of tile x0), in place: tile_logit, then -inf where the row does
+// not see the slot. Returns their maximum.
+template <int kS, class Params>
+OVQ_HOST_DEVICE float fragment_logits(const Params& p, const KeyAxisGeometry& axis,
+                                      const TileWindow& biased, const TileWindow& seen, Index s,
+                                      Index x0, int key0, int lane, int h, float beta,
+                                      float (&frag)[kS][4]) {
+  const bool whole = seen.holds_all(key0, key0 + 8 * kS - 1);
+  float largest = -INFINITY;
+  OVQ_UNROLL
+  for (int n = 0; n < kS; ++n)
+    OVQ_UNROLL
+    for (int e = 0; e < 2; ++e) {
+      const int col = key0 + 8 * n + 2 * (lane & 3) + e;
+      float x = tile_logit(p, axis, biased, s, x0, col, frag[n][2 * h + e], beta);
+      if (!whole && !seen.holds(col)) x = -INFINITY;
+      frag[n][2 * h + e] = x;
+      if (x > largest) largest = x;
+    }
+  return largest;
+}
+
 // A tensor-core read's online-softmax update of row half h of a lane (its entries 2 h and
 // 2 h + 1 of each of the kO column tiles of O) once the tile's maximum m_new and the sum of its
 // rounded weights are known: l and O rescaled when the maximum moved, then l grown by the sum.
@@ -231,17 +254,6 @@ struct TensorReadProgram {
     }
   }
 
-  // The slots [lo, hi] of a tile that a row sees, relative to the tile's first slot and clamped
-  // to [-1, kTile] (32-bit, so that the per-entry mask is two small compares).
-  struct TileWindow {
-    int lo = 1, hi = 0;
-    OVQ_HOST_DEVICE bool sees(int col) const { return col >= lo && col <= hi; }
-  };
-  OVQ_HOST_DEVICE static int relative_slot(Index slot, Index x0) {
-    const Index r = slot - x0;
-    return r < -1 ? -1 : (r > kTile ? kTile : static_cast<int>(r));
-  }
-
   // Folds key tile t (slots [t kTile, (t + 1) kTile)), whose keys are staged, into every row's
   // current block; stages its values, and the keys of tile `next` (-1: none), asynchronously:
   // the values load while S is computed, the next keys while P and P V are.
@@ -251,10 +263,7 @@ struct TensorReadProgram {
                                         Index tile, Index s, Index t, Index next, const Shared& sh,
                                         Th& th) {
     const Index x0 = t * kTile;
-    // The tile's slots with a bias (memory rows), relative to x0.
-    const int bias_lo = relative_slot(axis.memory_begin(), x0);
-    const int bias_hi = relative_slot(axis.local_begin(), x0) - 1;
-    const bool any_bias = p.bias.data != nullptr && bias_lo <= bias_hi;
+    const TileWindow biased = bias_window(p, axis, x0, kTile);
     // 1. The tile's values start loading. S = Q K^T; beta, bias, saturation, mask; each lane's
     //    maximum of its two rows.
     block.each([&](int tid) {
@@ -291,31 +300,9 @@ struct TensorReadProgram {
       OVQ_UNROLL
       for (int h = 0; h < 2; ++h) {
         const int r = entry_row(tid, 2 * h);
-        const RowPlace rp = row_place(p, qt, tile, r);
-        const Index pos = ext.query_offset + rp.position;
-        TileWindow seen;
-        if (rp.valid) {
-          seen.lo = relative_slot(axis.first(pos), x0);
-          seen.hi = relative_slot(axis.last(pos), x0);
-        }
-        const bool whole = seen.lo <= key0 && seen.hi >= key0 + Traits::kWarpKeys - 1;
-        const float beta = me.beta[h];
-        float largest = -INFINITY;
-        OVQ_UNROLL
-        for (int n = 0; n < kS; ++n)
-          OVQ_UNROLL
-          for (int e = 0; e < 2; ++e) {
-            const int col = key0 + 8 * n + entry_col(tid, e);
-            float x = ovq::detail::mul_rn(me.s[n][2 * h + e], beta);
-            if (any_bias && col >= bias_lo && col <= bias_hi) {
-              const float b = p.bias.row(s, x0 + col - axis.pad)[0];
-              x = x + (p.count_bias || !(b >= 0.0f) ? b : 0.0f);
-            }
-            x = saturate(x);
-            if (!whole && !seen.sees(col)) x = -INFINITY;
-            me.s[n][2 * h + e] = x;
-            if (x > largest) largest = x;
-          }
+        const TileWindow seen = seen_window(ext, axis, row_place(p, qt, tile, r), x0, kTile);
+        const float largest =
+            fragment_logits(p, axis, biased, seen, s, x0, key0, lane, h, me.beta[h], me.s);
         sh.floats[Traits::kRedMax + r * kParts + partial_slot(tid)] = largest;
       }
     });
@@ -407,12 +394,6 @@ struct TensorReadProgram {
       }
       wait_async<0>();
     });
-  }
-
-  // A logit saturated to float's finite range (NaN: -max), as ReadProgram's.
-  OVQ_HOST_DEVICE static float saturate(float x) {
-    if (!(x >= -FLT_MAX)) return -FLT_MAX;
-    return x > FLT_MAX ? FLT_MAX : x;
   }
 
   // A lane's entry of row half h of the current block as an average (0 for a row that saw
