@@ -4,6 +4,7 @@
 // for the same bits, and a decode step captured in a CUDA graph and replayed.
 //
 // Without a GPU the binary prints why and exits with 77, which CTest reports as skipped.
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <vector>
@@ -14,6 +15,39 @@
 #include "support/catch.hpp"
 #include "support/cuda_harness.hpp"
 #include "support/fixtures.hpp"
+
+// The GPU's conversion instructions against the integer conversions the emulation uses, over
+// every float (narrow, both 16-bit types) and every fp16 (widen): mismatches counted, the
+// smallest mismatching pattern of each kind kept.
+namespace conversion_check {
+
+struct ConversionMismatches {
+  unsigned long long count[3];  // narrow to bf16, narrow to fp16, widen fp16
+  unsigned int first[3];
+};
+
+__global__ void compare_conversions(ConversionMismatches* out) {
+  using namespace ovq::cuda::kernels;
+  const std::uint64_t stride = static_cast<std::uint64_t>(gridDim.x) * blockDim.x;
+  for (std::uint64_t i = static_cast<std::uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < (std::uint64_t{1} << 32); i += stride) {
+    const auto b = static_cast<std::uint32_t>(i);
+    const float f = float_from_bits(b);
+    const bool miss[3] = {
+        narrow<ovq::cuda::Bf16Bits>(f).bits != narrow_by_integers<ovq::cuda::Bf16Bits>(f).bits,
+        narrow<ovq::cuda::Fp16Bits>(f).bits != narrow_by_integers<ovq::cuda::Fp16Bits>(f).bits,
+        b < 65536u && bits_of(widen(ovq::cuda::Fp16Bits{static_cast<std::uint16_t>(b)})) !=
+                          bits_of(widen_by_integers(
+                              ovq::cuda::Fp16Bits{static_cast<std::uint16_t>(b)}))};
+    for (int k = 0; k < 3; ++k)
+      if (miss[k]) {
+        atomicAdd(&out->count[k], 1ull);
+        atomicMin(&out->first[k], b);
+      }
+  }
+}
+
+}  // namespace conversion_check
 
 namespace {
 
@@ -426,6 +460,25 @@ TEMPLATE_TEST_CASE("GPU head betas == their emulation and the CPU layer's: self 
     for (const auto& cut : kCuts)
       check_against_emulation<cuda::BasicOvqAttention, S>(
           opt, make, in, cut, expected, half ? cpu_bound : 1e-4, emulation_bound, betas);
+  }
+}
+
+TEST_CASE("GPU conversion instructions == the emulation's integer conversions, every float",
+          "[gpu][convert]") {
+  using conversion_check::ConversionMismatches;
+  ConversionMismatches* d = nullptr;
+  REQUIRE(cudaMalloc(&d, sizeof(ConversionMismatches)) == cudaSuccess);
+  ConversionMismatches h{};
+  for (unsigned int& f : h.first) f = 0xffffffffu;
+  REQUIRE(cudaMemcpy(d, &h, sizeof h, cudaMemcpyHostToDevice) == cudaSuccess);
+  conversion_check::compare_conversions<<<1024, 256>>>(d);
+  REQUIRE(cudaGetLastError() == cudaSuccess);
+  REQUIRE(cudaMemcpy(&h, d, sizeof h, cudaMemcpyDeviceToHost) == cudaSuccess);
+  cudaFree(d);
+  for (int k = 0; k < 3; ++k) {
+    INFO("conversion " << k << " (bf16, fp16, widen fp16): first mismatch at bits " << std::hex
+                       << h.first[k]);
+    CHECK(h.count[k] == 0);
   }
 }
 

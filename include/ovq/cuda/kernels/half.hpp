@@ -1,8 +1,11 @@
 #pragma once
-// The 16-bit elements as the CUDA kernels see them: raw bits (Bf16Bits, Fp16Bits), widened to
-// float and rounded back by integer arithmetic only, so the host emulation and the GPU convert
-// alike whatever the compiler's flags. The host API types them as the CPU does (ovq::bf16,
-// ovq::fp16: same size, same bits); device_element_t maps one to the other.
+// The 16-bit elements as the CUDA kernels see them: raw bits (Bf16Bits, Fp16Bits). The host
+// emulation widens and rounds them by integer arithmetic only (widen_by_integers,
+// narrow_by_integers), whatever the compiler's flags; the GPU by its conversion instructions
+// (cvt: IEEE round to nearest even, subnormals kept, overflow to inf), which give the same bits,
+// and takes the integer path for NaNs and infinities (a GPU test compares the two paths over
+// every float). The host API types them as the CPU does (ovq::bf16, ovq::fp16: same size, same
+// bits); device_element_t maps one to the other.
 //
 //   widen(x)             exact (every bf16 and fp16 value is a float)
 //   narrow<Bits>(f)      to nearest, ties to even; NaN stays NaN, overflow goes to inf (the
@@ -45,7 +48,7 @@ OVQ_HOST_DEVICE inline float widen(Bf16Bits x) {
   return float_from_bits(static_cast<std::uint32_t>(x.bits) << 16);
 }
 
-OVQ_HOST_DEVICE inline float widen(Fp16Bits x) {
+OVQ_HOST_DEVICE inline float widen_by_integers(Fp16Bits x) {
   const std::uint32_t sign = static_cast<std::uint32_t>(x.bits & 0x8000u) << 16;
   std::uint32_t exponent = (x.bits >> 10) & 0x1fu;
   std::uint32_t mantissa = x.bits & 0x3ffu;
@@ -63,11 +66,22 @@ OVQ_HOST_DEVICE inline float widen(Fp16Bits x) {
   return float_from_bits(sign | ((exponent + 112u) << 23) | (mantissa << 13));
 }
 
+OVQ_HOST_DEVICE inline float widen(Fp16Bits x) {
+#if defined(OVQ_DEVICE_PASS)
+  if ((x.bits & 0x7c00u) != 0x7c00u) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+    return f;
+  }
+#endif
+  return widen_by_integers(x);
+}
+
 template <class Bits>
-OVQ_HOST_DEVICE Bits narrow(float f);
+OVQ_HOST_DEVICE Bits narrow_by_integers(float f);
 
 template <>
-OVQ_HOST_DEVICE inline Bf16Bits narrow<Bf16Bits>(float f) {
+OVQ_HOST_DEVICE inline Bf16Bits narrow_by_integers<Bf16Bits>(float f) {
   const std::uint32_t b = bits_of(f);
   if ((b & 0x7fffffffu) > 0x7f800000u) return {static_cast<std::uint16_t>((b >> 16) | 0x0040u)};
   const std::uint32_t rounded = b + 0x7fffu + ((b >> 16) & 1u);
@@ -75,7 +89,7 @@ OVQ_HOST_DEVICE inline Bf16Bits narrow<Bf16Bits>(float f) {
 }
 
 template <>
-OVQ_HOST_DEVICE inline Fp16Bits narrow<Fp16Bits>(float f) {
+OVQ_HOST_DEVICE inline Fp16Bits narrow_by_integers<Fp16Bits>(float f) {
   const std::uint32_t b = bits_of(f);
   const std::uint16_t sign = static_cast<std::uint16_t>((b >> 16) & 0x8000u);
   const std::uint32_t a = b & 0x7fffffffu;
@@ -97,6 +111,22 @@ OVQ_HOST_DEVICE inline Fp16Bits narrow<Fp16Bits>(float f) {
   }
   if (rest > half || (rest == half && (keep & 1u) != 0)) ++keep;  // a carry moves the exponent
   return {static_cast<std::uint16_t>(sign | keep)};
+}
+
+template <class Bits>
+OVQ_HOST_DEVICE Bits narrow(float f) {
+#if defined(OVQ_DEVICE_PASS)
+  if ((bits_of(f) & 0x7f800000u) != 0x7f800000u) {
+    std::uint16_t h;
+    if constexpr (std::is_same_v<Bits, Bf16Bits>) {
+      asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    } else {
+      asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    }
+    return {h};
+  }
+#endif
+  return narrow_by_integers<Bits>(f);
 }
 
 // The largest finite value of a 16-bit element, as a float.
