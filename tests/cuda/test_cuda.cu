@@ -17,34 +17,52 @@
 #include "support/fixtures.hpp"
 
 // The GPU's conversion instructions against the integer conversions the emulation uses, over
-// every float (narrow, both 16-bit types) and every fp16 (widen): mismatches counted, the
-// smallest mismatching pattern of each kind kept.
+// every float (narrow and, for finite floats, the packed pairs, both 16-bit types) and every fp16
+// (widen): mismatches counted, the smallest mismatching pattern of each kind kept.
 namespace conversion_check {
 
 struct ConversionMismatches {
-  unsigned long long count[3];  // narrow to bf16, narrow to fp16, widen fp16
-  unsigned int first[3];
+  // narrow to bf16, to fp16, widen fp16, narrow_finite_pair to bf16, to fp16 (f, -f)
+  unsigned long long count[5];
+  unsigned int first[5];
 };
+
+template <class Bits>
+__device__ bool pair_differs(float f) {
+  using namespace ovq::cuda::kernels;
+  if ((bits_of(f) & 0x7f800000u) == 0x7f800000u) return false;  // finite values only
+  const std::uint32_t expected = pack_pair(narrow_by_integers<Bits>(f).bits,
+                                           narrow_by_integers<Bits>(-f).bits);
+  return narrow_finite_pair<Bits>(f, -f) != expected;
+}
 
 __global__ void compare_conversions(ConversionMismatches* out) {
   using namespace ovq::cuda::kernels;
   const std::uint64_t stride = static_cast<std::uint64_t>(gridDim.x) * blockDim.x;
+  unsigned long long count[5] = {0, 0, 0, 0, 0};  // this thread's, added once at the end
+  unsigned int first[5] = {0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu};
   for (std::uint64_t i = static_cast<std::uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
        i < (std::uint64_t{1} << 32); i += stride) {
     const auto b = static_cast<std::uint32_t>(i);
     const float f = float_from_bits(b);
-    const bool miss[3] = {
+    const bool miss[5] = {
         narrow<ovq::cuda::Bf16Bits>(f).bits != narrow_by_integers<ovq::cuda::Bf16Bits>(f).bits,
         narrow<ovq::cuda::Fp16Bits>(f).bits != narrow_by_integers<ovq::cuda::Fp16Bits>(f).bits,
         b < 65536u && bits_of(widen(ovq::cuda::Fp16Bits{static_cast<std::uint16_t>(b)})) !=
                           bits_of(widen_by_integers(
-                              ovq::cuda::Fp16Bits{static_cast<std::uint16_t>(b)}))};
-    for (int k = 0; k < 3; ++k)
+                              ovq::cuda::Fp16Bits{static_cast<std::uint16_t>(b)})),
+        pair_differs<ovq::cuda::Bf16Bits>(f), pair_differs<ovq::cuda::Fp16Bits>(f)};
+    for (int k = 0; k < 5; ++k)
       if (miss[k]) {
-        atomicAdd(&out->count[k], 1ull);
-        atomicMin(&out->first[k], b);
+        ++count[k];
+        if (b < first[k]) first[k] = b;
       }
   }
+  for (int k = 0; k < 5; ++k)
+    if (count[k] != 0) {
+      atomicAdd(&out->count[k], count[k]);
+      atomicMin(&out->first[k], first[k]);
+    }
 }
 
 }  // namespace conversion_check
@@ -475,8 +493,9 @@ TEST_CASE("GPU conversion instructions == the emulation's integer conversions, e
   REQUIRE(cudaGetLastError() == cudaSuccess);
   REQUIRE(cudaMemcpy(&h, d, sizeof h, cudaMemcpyDeviceToHost) == cudaSuccess);
   cudaFree(d);
-  for (int k = 0; k < 3; ++k) {
-    INFO("conversion " << k << " (bf16, fp16, widen fp16): first mismatch at bits " << std::hex
+  for (int k = 0; k < 5; ++k) {
+    INFO("conversion " << k << " (bf16, fp16, widen fp16, bf16 pair, fp16 pair): first mismatch "
+                       << "at bits " << std::hex
                        << h.first[k]);
     CHECK(h.count[k] == 0);
   }

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "ovq/config.hpp"
 
@@ -40,8 +41,8 @@ OVQ_HOST_DEVICE inline double mul_rn(double a, double b) {
 OVQ_HOST_DEVICE inline float round_even(float x) { return std::nearbyint(x); }
 OVQ_HOST_DEVICE inline double round_even(double x) { return std::nearbyint(x); }
 
-OVQ_HOST_DEVICE inline float exp_nonpositive(float x) {
-  if (!(x >= -87.3f)) return 0.0f;  // below the normal range, -inf, or NaN
+// exp_nonpositive for x in [-87.3, 0].
+OVQ_HOST_DEVICE inline float exp_in_range(float x) {
   const float n = round_even(mul_rn(x, 1.44269504088896341f));
   float r = std::fma(n, -0.693359375f, x);  // ln 2 = 0.693359375 - 2.12194440e-4: n hi exact
   r = std::fma(n, 2.12194440e-4f, r);
@@ -57,6 +58,11 @@ OVQ_HOST_DEVICE inline float exp_nonpositive(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return mul_rn(p, scale);
+}
+
+OVQ_HOST_DEVICE inline float exp_nonpositive(float x) {
+  if (!(x >= -87.3f)) return 0.0f;  // below the normal range, -inf, or NaN
+  return exp_in_range(x);
 }
 
 OVQ_HOST_DEVICE inline double exp_nonpositive(double x) {
@@ -84,6 +90,26 @@ OVQ_HOST_DEVICE inline double exp_nonpositive(double x) {
   double scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return mul_rn(p, scale);
+}
+
+// A softmax weight exp(x - m), x <= m, with 0 where no logit has been seen (m = -inf): the bits
+// of exp_nonpositive(x - m). On the device in float without a branch (a weight per score is the
+// reads' largest non-FMA work): the polynomial runs on an argument inside its range and the
+// result is selected.
+template <class Scalar>
+OVQ_HOST_DEVICE Scalar softmax_weight(Scalar x, Scalar m) {
+#if defined(OVQ_DEVICE_PASS)
+  if constexpr (std::is_same_v<Scalar, float>) {
+    const float d = x - m;  // NaN or +inf where m = -inf
+    const bool in_range = m != -INFINITY && d >= -87.3f;
+    const float w = exp_in_range(in_range ? d : 0.0f);
+    return in_range ? w : 0.0f;
+  } else {
+    return m == -Scalar(INFINITY) ? Scalar(0) : exp_nonpositive(x - m);
+  }
+#else
+  return m == -Scalar(INFINITY) ? Scalar(0) : exp_nonpositive(x - m);
+#endif
 }
 
 }  // namespace ovq::detail

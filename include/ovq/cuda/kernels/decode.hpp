@@ -179,9 +179,7 @@ struct DecodeReadProgram {
       Scalar sum = Scalar(0);
       OVQ_UNROLL
       for (int j = 0; j < kKPT; ++j) {
-        const Scalar e = m_new == -Scalar(INFINITY)
-                             ? Scalar(0)
-                             : ovq::detail::exp_nonpositive(row[g + kGroups * j] - m_new);
+        const Scalar e = ovq::detail::softmax_weight(row[g + kGroups * j], m_new);
         me.e[j] = e;
         sum = sum + e;
       }
@@ -453,10 +451,8 @@ struct TensorDecodeProgram {
         for (int n = 0; n < 2; ++n)
           OVQ_UNROLL
           for (int e = 0; e < 2; ++e) {
-            const float w = m_new == -INFINITY
-                                ? 0.0f
-                                : ovq::detail::exp_nonpositive(me.s[n][2 * h + e] - m_new);
-            halves[kP + r * kPStride + key0 + 8 * n + entry_col(tid, e)] = narrow<Bits>(w);
+            const float w = ovq::detail::softmax_weight(me.s[n][2 * h + e], m_new);
+            halves[kP + r * kPStride + key0 + 8 * n + entry_col(tid, e)] = narrow_finite<Bits>(w);
           }
       }
     });

@@ -10,6 +10,8 @@
 //   widen(x)             exact (every bf16 and fp16 value is a float)
 //   narrow<Bits>(f)      to nearest, ties to even; NaN stays NaN, overflow goes to inf (the
 //                        kernels clamp outputs to largest_finite<Bits>() first)
+//   narrow_finite<Bits>(f)  the same for a finite f, untested on the device (a read's weights);
+//                        narrow_finite_pair two of them packed in 32 bits
 //   compute_of(x)        what a kernel computes with: widen(x) for 16-bit bits, else x
 //   element_of<Stored>(f)  a result as the element stored: narrow for 16-bit bits, else f
 #include <cstdint>
@@ -113,18 +115,50 @@ OVQ_HOST_DEVICE inline Fp16Bits narrow_by_integers<Fp16Bits>(float f) {
   return {static_cast<std::uint16_t>(sign | keep)};
 }
 
+// narrow for a finite f only (a read's weights, exp of a non-positive value): no test on the
+// device.
+template <class Bits>
+OVQ_HOST_DEVICE Bits narrow_finite(float f) {
+#if defined(OVQ_DEVICE_PASS)
+  std::uint16_t h;
+  if constexpr (std::is_same_v<Bits, Bf16Bits>) {
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  } else {
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  }
+  return {h};
+#else
+  return narrow_by_integers<Bits>(f);
+#endif
+}
+
+// Two finite values rounded as narrow_finite, packed with lo in the low 16 bits (a
+// tensor-core fragment register's order): one instruction on the device.
+template <class Bits>
+OVQ_HOST_DEVICE std::uint32_t narrow_finite_pair(float lo, float hi) {
+#if defined(OVQ_DEVICE_PASS)
+  std::uint32_t packed;
+  if constexpr (std::is_same_v<Bits, Bf16Bits>) {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));
+  }
+  return packed;
+#else
+  return static_cast<std::uint32_t>(narrow_by_integers<Bits>(lo).bits) |
+         (static_cast<std::uint32_t>(narrow_by_integers<Bits>(hi).bits) << 16);
+#endif
+}
+// The element in the low (half 0) or high (half 1) 16 bits of a packed pair.
+template <class Bits>
+OVQ_HOST_DEVICE Bits pair_half(std::uint32_t packed, int half) {
+  return {static_cast<std::uint16_t>(half == 0 ? packed & 0xffffu : packed >> 16)};
+}
+
 template <class Bits>
 OVQ_HOST_DEVICE Bits narrow(float f) {
 #if defined(OVQ_DEVICE_PASS)
-  if ((bits_of(f) & 0x7f800000u) != 0x7f800000u) {
-    std::uint16_t h;
-    if constexpr (std::is_same_v<Bits, Bf16Bits>) {
-      asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    } else {
-      asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    }
-    return {h};
-  }
+  if ((bits_of(f) & 0x7f800000u) != 0x7f800000u) return narrow_finite<Bits>(f);
 #endif
   return narrow_by_integers<Bits>(f);
 }

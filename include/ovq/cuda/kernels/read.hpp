@@ -601,9 +601,7 @@ struct ReadProgram {
         Scalar sum = Scalar(0);
         OVQ_UNROLL
         for (int j = 0; j < kKPT; ++j) {
-          const Scalar e = m_new == -Scalar(INFINITY)
-                               ? Scalar(0)
-                               : ovq::detail::exp_nonpositive(me.s[i][j] - m_new);
+          const Scalar e = ovq::detail::softmax_weight(me.s[i][j], m_new);
           me.s[i][j] = e;
           sum = sum + e;
         }

@@ -316,7 +316,7 @@ struct TensorReadProgram {
       commit_async();
       Thread& me = th[tid];
       const int key0 = col_group(tid) * Traits::kWarpKeys;
-      Bits rounded[kS][4];
+      std::uint32_t rounded[kS][2];  // row half h's two weights of column tile n, packed
       OVQ_UNROLL
       for (int h = 0; h < 2; ++h) {
         const int r = entry_row(tid, 2 * h);
@@ -329,26 +329,23 @@ struct TensorReadProgram {
         me.m_new[h] = m_new;
         float sum = 0.0f;
         OVQ_UNROLL
-        for (int n = 0; n < kS; ++n)
+        for (int n = 0; n < kS; ++n) {
+          float w[2];
           OVQ_UNROLL
-          for (int e = 0; e < 2; ++e) {
-            const float w = m_new == -INFINITY
-                                ? 0.0f
-                                : ovq::detail::exp_nonpositive(me.s[n][2 * h + e] - m_new);
-            const Bits x = narrow<Bits>(w);
-            rounded[n][2 * h + e] = x;
-            sum = sum + widen(x);
-          }
+          for (int e = 0; e < 2; ++e)
+            w[e] = ovq::detail::softmax_weight(me.s[n][2 * h + e], m_new);
+          rounded[n][h] = narrow_finite_pair<Bits>(w[0], w[1]);
+          sum = sum + widen(pair_half<Bits>(rounded[n][h], 0));
+          sum = sum + widen(pair_half<Bits>(rounded[n][h], 1));
+        }
         sh.floats[Traits::kRedSum + r * kParts + partial_slot(tid)] = sum;
       }
       if constexpr (kRegisterFragments) {
         // S tiles 2j and 2j + 1 are the two column halves of P's k-step j.
         OVQ_UNROLL
         for (int j = 0; j < kPSteps; ++j) {
-          const Bits* lo = rounded[2 * j];
-          const Bits* hi = rounded[2 * j + 1];
-          me.w[j] = MmaA{{pack_pair(lo[0].bits, lo[1].bits), pack_pair(lo[2].bits, lo[3].bits),
-                          pack_pair(hi[0].bits, hi[1].bits), pack_pair(hi[2].bits, hi[3].bits)}};
+          me.w[j] = MmaA{{rounded[2 * j][0], rounded[2 * j][1], rounded[2 * j + 1][0],
+                          rounded[2 * j + 1][1]}};
         }
       } else {
         OVQ_UNROLL
@@ -356,7 +353,7 @@ struct TensorReadProgram {
           OVQ_UNROLL
           for (int i = 0; i < 4; ++i)
             sh.halves[Traits::kP + entry_row(tid, i) * Traits::kPStride + key0 + 8 * n +
-                      entry_col(tid, i)] = rounded[n][i];
+                      entry_col(tid, i)] = pair_half<Bits>(rounded[n][i / 2], i % 2);
       }
       wait_async<1>();
     });
