@@ -92,10 +92,10 @@ OVQ_HOST_DEVICE inline double exp_nonpositive(double x) {
   return mul_rn(p, scale);
 }
 
-// A softmax weight exp(x - m), x <= m, with 0 where no logit has been seen (m = -inf): the bits
-// of exp_nonpositive(x - m). On the device in float without a branch (a weight per score is the
-// reads' largest non-FMA work): the polynomial runs on an argument inside its range and the
-// result is selected.
+// A softmax weight exp(x - m), x <= m (the reads' logits are finite and m is their maximum),
+// with 0 where no logit has been seen (m = -inf): the bits of exp_nonpositive(x - m). On the
+// device in float without a branch (a weight per score is the reads' largest non-FMA work): the
+// polynomial runs on an argument inside its range and the result is selected.
 template <class Scalar>
 OVQ_HOST_DEVICE Scalar softmax_weight(Scalar x, Scalar m) {
 #if defined(OVQ_DEVICE_PASS)

@@ -10,8 +10,8 @@
 //   widen(x)             exact (every bf16 and fp16 value is a float)
 //   narrow<Bits>(f)      to nearest, ties to even; NaN stays NaN, overflow goes to inf (the
 //                        kernels clamp outputs to largest_finite<Bits>() first)
-//   narrow_finite<Bits>(f)  the same for a finite f, untested on the device (a read's weights);
-//                        narrow_finite_pair two of them packed in 32 bits
+//   narrow_finite<Bits>(f)  the same for a finite f, without narrow's NaN and inf check (a
+//                        read's weights); narrow_finite_pair: two of them packed in 32 bits
 //   compute_of(x)        what a kernel computes with: widen(x) for 16-bit bits, else x
 //   element_of<Stored>(f)  a result as the element stored: narrow for 16-bit bits, else f
 #include <cstdint>
@@ -115,8 +115,8 @@ OVQ_HOST_DEVICE inline Fp16Bits narrow_by_integers<Fp16Bits>(float f) {
   return {static_cast<std::uint16_t>(sign | keep)};
 }
 
-// narrow for a finite f only (a read's weights, exp of a non-positive value): no test on the
-// device.
+// narrow for a finite f only (a read's weights, exp of a non-positive value): no NaN and inf
+// check on the device.
 template <class Bits>
 OVQ_HOST_DEVICE Bits narrow_finite(float f) {
 #if defined(OVQ_DEVICE_PASS)
