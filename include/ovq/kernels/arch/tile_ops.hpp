@@ -386,6 +386,36 @@ inline __m256 reduce8(const __m256 in[8]) {
   return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
+// The lane sums of four 8-lane vectors, [sum x0, sum x1, sum x2, sum x3], by reduce8's tree:
+// the same pairs added in the same order, so a score has the same bits whichever of the two sums
+// it, for half of reduce8's work (a 6 x 2 block's last four scores).
+inline __m128 reduce4(__m256 x0, __m256 x1, __m256 x2, __m256 x3) {
+  auto halves = [](__m256 a, __m256 b) {  // [a0+a4 ... a3+a7 | b0+b4 ... b3+b7]
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+  };
+  const __m256 t0 = halves(x0, x2), t1 = halves(x1, x3);
+  // [(a0+a4)+(a2+a6), (a1+a5)+(a3+a7)] for x0, x1 | for x2, x3
+  const __m256 s = _mm256_add_ps(_mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m128 lo = _mm256_castps256_ps128(s), hi = _mm256_extractf128_ps(s, 1);
+  return _mm_add_ps(_mm_shuffle_ps(lo, hi, _MM_SHUFFLE(2, 0, 2, 0)),
+                    _mm_shuffle_ps(lo, hi, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Keeps a loaded operand in a register: left alone, GCC folds a query row's load into each of
+// the FMAs that use it, loading it once per key of the block (14 loads for the 12 FMAs of a
+// 6 x 2 block instead of 8, more than the load ports sustain). Other operand types (the test
+// emulation's vectors) are left to the compiler.
+template <class X>
+inline void in_register(X& /*x*/) {}
+inline void in_register(__m256& x) { asm("" : "+v"(x)); }
+#if defined(OVQ_ARCH_AVX512)
+inline void in_register(__m512& x) { asm("" : "+v"(x)); }
+#endif
+#if defined(OVQ_ARCH_AVX512BF16)
+inline void in_register(__m512bh& x) { asm("" : "+v"(x)); }
+#endif
+
 // exp(x) for x <= 0 (the only case a max-subtracted softmax needs): 2^n e^r with
 // n = round(x / ln 2), r = x - n ln 2 in [-ln2/2, ln2/2], e^r by a degree-6 polynomial
 // (relative error ~2e-7). x below -87.3 (including -inf) gives exactly 0.
@@ -669,7 +699,8 @@ struct SimdTileOps {
       for (int c = 0; c < C; ++c) kv[c] = Dot::load(key[c] + k);
       OVQ_UNROLL
       for (int r = 0; r < R; ++r) {
-        const typename Dot::Operand qv = Dot::load(q + r * q_stride + k);
+        typename Dot::Operand qv = Dot::load(q + r * q_stride + k);
+        if constexpr (C > 1) in_register(qv);
         OVQ_UNROLL
         for (int c = 0; c < C; ++c) acc[r * C + c] = Dot::madd(qv, kv[c], acc[r * C + c]);
       }
@@ -688,15 +719,20 @@ struct SimdTileOps {
     return products;
   }
 
-  // Scores 8 a, ..., 8 a + 7 of a block, scaled by beta: lane x is product 8 a + x's lane sum by
-  // reduce8's tree (a group running past the last product wraps around to the first ones, whose
-  // repeated sums are not used).
+  // Scores 0 ... 7 of a block, scaled by beta: lane x is product x's lane sum by reduce8's tree.
   template <int N>
-  static __m256 reduce_group(const Products<N>& products, int a, float beta) {
+  static __m256 reduce_first8(const Products<N>& products, float beta) {
+    static_assert(N >= 8, "a block of at least eight products");
     __m256 folded[8];
     OVQ_UNROLL
-    for (int x = 0; x < 8; ++x) folded[x] = V::fold_to_8(products.at[(8 * a + x) % N]);
+    for (int x = 0; x < 8; ++x) folded[x] = V::fold_to_8(products.at[x]);
     return _mm256_mul_ps(reduce8(folded), _mm256_set1_ps(beta));
+  }
+
+  // Scores 8 ... 11 of a block of 12, scaled by beta, by reduce4 (the same tree).
+  static __m128 reduce_last4(const Products<12>& products, float beta) {
+    const auto fold = [&](int x) { return V::fold_to_8(products.at[8 + x]); };
+    return _mm_mul_ps(reduce4(fold(0), fold(1), fold(2), fold(3)), _mm_set1_ps(beta));
   }
 
   // Rows in blocks of 6 x 2 keys, then 4 x 2, then pairs in blocks of 2 x 4, a last odd row key
@@ -715,13 +751,13 @@ struct SimdTileOps {
       for (Index c = 0; c < kKeyTile; c += 2) {
         pacing.advance(2 * 6 * 2 * d);
         const auto acc = dot_products<6, 2>(q + i * q_stride, q_stride, keys + c, d);
-        // Lanes 2 r and 2 r + 1 of the two groups: row i + r's scores of keys c and c + 1 (rows
-        // 0-3 in the first group, 4-5 in the second), stored 64 bits at a time straight from
-        // the registers (a round trip through a stack array cost about a tenth of the block).
-        const __m256 first = reduce_group(acc, 0, beta), second = reduce_group(acc, 1, beta);
+        // Lanes 2 r and 2 r + 1: row i + r's scores of keys c and c + 1 (rows 0-3 in the first
+        // eight, 4-5 in the last four), stored 64 bits at a time straight from the registers
+        // (a round trip through a stack array would add a store and a load per score).
+        const __m256 first = reduce_first8(acc, beta);
         const __m128 row_pairs[3] = {_mm256_castps256_ps128(first),
                                      _mm256_extractf128_ps(first, 1),
-                                     _mm256_castps256_ps128(second)};
+                                     reduce_last4(acc, beta)};
         OVQ_UNROLL
         for (int r = 0; r < 6; r += 2) {
           _mm_storel_pi(reinterpret_cast<__m64*>(s + (i + r) * kKeyTile + c), row_pairs[r / 2]);
@@ -735,7 +771,7 @@ struct SimdTileOps {
       for (Index c = 0; c < kKeyTile; c += 2) {
         pacing.advance(2 * 4 * 2 * d);
         const auto acc = dot_products<4, 2>(q + i * q_stride, q_stride, keys + c, d);
-        const __m256 x = reduce_group(acc, 0, beta);  // rows i .. i + 3, keys c, c + 1
+        const __m256 x = reduce_first8(acc, beta);  // rows i .. i + 3, keys c, c + 1
         const __m128 lo = _mm256_castps256_ps128(x), hi = _mm256_extractf128_ps(x, 1);
         _mm_storel_pi(reinterpret_cast<__m64*>(s + i * kKeyTile + c), lo);
         _mm_storeh_pi(reinterpret_cast<__m64*>(s + (i + 1) * kKeyTile + c), lo);
@@ -747,7 +783,7 @@ struct SimdTileOps {
       for (Index c = 0; c < kKeyTile; c += 4) {
         pacing.advance(2 * 2 * 4 * d);
         const auto acc = dot_products<2, 4>(q + i * q_stride, q_stride, keys + c, d);
-        const __m256 x = reduce_group(acc, 0, beta);
+        const __m256 x = reduce_first8(acc, beta);
         _mm_storeu_ps(s + i * kKeyTile + c, _mm256_castps256_ps128(x));
         _mm_storeu_ps(s + (i + 1) * kKeyTile + c, _mm256_extractf128_ps(x, 1));
       }
@@ -759,7 +795,7 @@ struct SimdTileOps {
         OVQ_UNROLL
         for (int j = 0; j < 8; ++j)
           acc.at[j] = dot_products<1, 1>(q + i * q_stride, q_stride, keys + c + j, d).at[0];
-        _mm256_storeu_ps(s + i * kKeyTile + c, reduce_group(acc, 0, beta));
+        _mm256_storeu_ps(s + i * kKeyTile + c, reduce_first8(acc, beta));
       }
     }
   }
