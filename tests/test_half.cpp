@@ -300,18 +300,30 @@ TEMPLATE_TEST_CASE("16-bit states round-trip through state files bit for bit; th
   CHECK(io::decode_state(linear, linear_bytes.data(), linear_bytes.size()) == ls);
 }
 
-// One architecture's 16-bit self-attention against its float kernels on the widened values.
+// One architecture's 16-bit self-attention against its float kernels on the widened values:
+// grouped heads with tails of every vector width, then single heads as wide as the widest P V
+// blocks (a decode step's), fed in pieces down to single steps.
 template <class H, class Arch>
 void check_architecture(const char* name) {
   INFO("architecture " << name);
-  const Index hq = 4, hkv = 1, t = 200, dk = 45, dv = 33;  // tails of every vector width
-  const Inputs<H> in = inputs<H>(hq, hkv, t, dk, dv, 67);
-  SelfAttentionOptions opt;
-  opt.beta = 0.4;
-  opt.chunk = 48;
-  MultiHead<SelfAttention<float, Arch>> f(SelfAttention<float, Arch>(opt), 1, hq, hkv, dk, dv);
-  MultiHead<SelfAttention<H, Arch>> h(SelfAttention<H, Arch>(opt), 1, hq, hkv, dk, dv);
-  CHECK(same_bits(h.forward(in.q, in.k, in.v), to_half<H>(f.forward(in.qf, in.kf, in.vf))));
+  struct Shape {
+    Index hq, hkv, dv;
+    std::vector<Index> pieces;
+  };
+  for (const Shape& shape : {Shape{4, 1, 33, {}}, Shape{2, 2, 150, {1, 1, 7, 64, 1, 2}}}) {
+    const Index t = 200, dk = 45;
+    INFO("hq " << shape.hq << ", hkv " << shape.hkv << ", dv " << shape.dv);
+    const Inputs<H> in = inputs<H>(shape.hq, shape.hkv, t, dk, shape.dv, 67);
+    SelfAttentionOptions opt;
+    opt.beta = 0.4;
+    opt.chunk = 48;
+    MultiHead<SelfAttention<float, Arch>> f(SelfAttention<float, Arch>(opt), 1, shape.hq,
+                                            shape.hkv, dk, shape.dv);
+    MultiHead<SelfAttention<H, Arch>> h(SelfAttention<H, Arch>(opt), 1, shape.hq, shape.hkv, dk,
+                                        shape.dv);
+    CHECK(same_bits(feed(h, in.q, in.k, in.v, shape.hq, shape.hkv, t, shape.pieces),
+                    to_half<H>(f.forward(in.qf, in.kf, in.vf))));
+  }
 }
 
 TEMPLATE_TEST_CASE("16-bit micro-kernels of every architecture widen their loads exactly: the "

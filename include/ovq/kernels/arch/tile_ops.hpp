@@ -365,6 +365,37 @@ struct F32x8 {
 };
 #endif
 
+#if defined(OVQ_ARCH_AVX2)
+// 16 bf16 values as two float vectors, widened by one load and two integer operations: the even
+// columns (2l in lane l) by a shift, the odd ones (2l + 1) by a mask. Widening 8 at a time in
+// column order takes a zero-extending load and a shift per 8. P V accumulators of 16 columns
+// held in this order are moved from and to the accumulator rows by even_odd_load and
+// even_odd_store (once per block, not per key).
+inline void widen_even_odd(const bf16* p, __m256& even, __m256& odd) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(-65536)));  // 0xffff0000
+}
+// The shuffles below leave columns [0 2 8 10 | 4 6 12 14] (and the odd ones alike); swapping the
+// middle 64-bit pairs puts them in order, and undoes itself on the way back.
+constexpr int kSwapMiddlePairs = _MM_SHUFFLE(3, 1, 2, 0);
+inline void even_odd_load(const float* row, __m256& even, __m256& odd) {
+  const __m256 a = _mm256_loadu_ps(row), b = _mm256_loadu_ps(row + 8);
+  even = _mm256_castpd_ps(_mm256_permute4x64_pd(
+      _mm256_castps_pd(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0))), kSwapMiddlePairs));
+  odd = _mm256_castpd_ps(_mm256_permute4x64_pd(
+      _mm256_castps_pd(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1))), kSwapMiddlePairs));
+}
+inline void even_odd_store(float* row, __m256 even, __m256 odd) {
+  const auto in_order = [](__m256 x) {
+    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(x), kSwapMiddlePairs));
+  };
+  const __m256 e = in_order(even), o = in_order(odd);
+  _mm256_storeu_ps(row, _mm256_unpacklo_ps(e, o));
+  _mm256_storeu_ps(row + 8, _mm256_unpackhi_ps(e, o));
+}
+#endif
+
 // The lane sums of eight 8-lane vectors, one per output lane: out[a] = ((x0 + x4) + (x2 + x6)) +
 // ((x1 + x5) + (x3 + x7)) for x = in[a]. Every output is this one tree, whichever position its
 // vector had among the eight (float addition is commutative, so each sum's operands are the
@@ -873,6 +904,12 @@ struct SimdTileOps {
   template <int R, int C, class Pacing>
   static void accumulate_block(const float* p, Index bk, const E* v, Index v_stride,
                                float* acc, Index acc_stride, Pacing pacing) {
+#if defined(OVQ_ARCH_AVX2)
+    // bf16 values on AVX2 widen 16 columns at a time, in blocks of an even number of vectors.
+    if constexpr (std::is_same_v<E, bf16> && std::is_same_v<V, F32x8> && C % 2 == 0) {
+      return accumulate_block_even_odd<R, C / 2>(p, bk, v, v_stride, acc, acc_stride, pacing);
+    }
+#endif
     reg a[R][C];
     OVQ_UNROLL
     for (int i = 0; i < R; ++i)
@@ -895,6 +932,40 @@ struct SimdTileOps {
       OVQ_UNROLL
       for (int c = 0; c < C; ++c) V::store(acc + i * acc_stride + c * W, a[i][c]);
   }
+
+#if defined(OVQ_ARCH_AVX2)
+  // accumulate_block for bf16 values on AVX2: R rows x G groups of 16 columns, each group's
+  // even and odd columns in two accumulators. Every column is the same chain over the keys as in
+  // accumulate_block (only the lane that holds it differs): the same bits.
+  template <int R, int G, class Pacing>
+  static void accumulate_block_even_odd(const float* p, Index bk, const E* v, Index v_stride,
+                                        float* acc, Index acc_stride, Pacing pacing) {
+    reg a[R][2 * G];
+    OVQ_UNROLL
+    for (int i = 0; i < R; ++i)
+      OVQ_UNROLL
+      for (int g = 0; g < G; ++g)
+        even_odd_load(acc + i * acc_stride + 16 * g, a[i][2 * g], a[i][2 * g + 1]);
+    for (Index j = 0; j < bk; ++j) {
+      if (j % kPacingKeys == 0) pacing.advance(2 * R * 16 * G * std::min(kPacingKeys, bk - j));
+      reg vv[2 * G];
+      OVQ_UNROLL
+      for (int g = 0; g < G; ++g)
+        widen_even_odd(v + j * v_stride + 16 * g, vv[2 * g], vv[2 * g + 1]);
+      OVQ_UNROLL
+      for (int i = 0; i < R; ++i) {
+        const reg w = V::set1(p[i * kKeyTile + j]);
+        OVQ_UNROLL
+        for (int c = 0; c < 2 * G; ++c) a[i][c] = V::fmadd(w, vv[c], a[i][c]);
+      }
+    }
+    OVQ_UNROLL
+    for (int i = 0; i < R; ++i)
+      OVQ_UNROLL
+      for (int g = 0; g < G; ++g)
+        even_odd_store(acc + i * acc_stride + 16 * g, a[i][2 * g], a[i][2 * g + 1]);
+  }
+#endif
 
   // Rows per block: 6 x 2 vectors on AVX2 (12 chains, + 2 values + 1 weight in 16 registers),
   // 4 x 4 on AVX-512 (16 chains of its 32 registers); then pairs, then single rows.
