@@ -370,7 +370,7 @@ struct F32x8 {
 // columns (2l in lane l) by a shift, the odd ones (2l + 1) by a mask. Widening 8 at a time in
 // column order takes a zero-extending load and a shift per 8. P V accumulators of 16 columns
 // held in this order are moved from and to the accumulator rows by even_odd_load and
-// even_odd_store (once per block, not per key).
+// even_odd_store, once per block: about as much work as widening 4 keys the other way saves.
 inline void widen_even_odd(const bf16* p, __m256& even, __m256& odd) {
   const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
@@ -899,15 +899,19 @@ struct SimdTileOps {
 
   // Keys between two calls of the pacing hook in a P V block.
   static constexpr Index kPacingKeys = 4;
+  // Keys from which a bf16 P V block on AVX2 widens its values 16 at a time.
+  static constexpr Index kEvenOddMinKeys = 8;
 
   // Register block: R rows x C vectors of acc. Cost 2 R bk (C W) flops.
   template <int R, int C, class Pacing>
   static void accumulate_block(const float* p, Index bk, const E* v, Index v_stride,
                                float* acc, Index acc_stride, Pacing pacing) {
 #if defined(OVQ_ARCH_AVX2)
-    // bf16 values on AVX2 widen 16 columns at a time, in blocks of an even number of vectors.
+    // bf16 values on AVX2 widen 16 columns at a time, in blocks of an even number of vectors
+    // over enough keys to repay the accumulators' reordering (not a decode step's runs).
     if constexpr (std::is_same_v<E, bf16> && std::is_same_v<V, F32x8> && C % 2 == 0) {
-      return accumulate_block_even_odd<R, C / 2>(p, bk, v, v_stride, acc, acc_stride, pacing);
+      if (bk >= kEvenOddMinKeys)
+        return accumulate_block_even_odd<R, C / 2>(p, bk, v, v_stride, acc, acc_stride, pacing);
     }
 #endif
     reg a[R][C];
