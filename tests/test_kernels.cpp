@@ -341,14 +341,16 @@ TEMPLATE_TEST_CASE("read kernel: a row's scores do not depend on the rows scored
 
 // accumulate over rows [i0, i0 + rows) of a 7-row tile gives the bits of the whole tile's call
 // (6-row blocks, pairs and single rows, single rows in runs of keys), and P V within rounding.
-// The pieces run with a pacing hook, as in check_scores_rows.
-template <class Scalar, class Arch>
+// The pieces run with a pacing hook, as in check_scores_rows. Values are Elements (16-bit ones
+// widened by the kernels), weights and accumulators their compute type.
+template <class Element, class Arch>
 void check_accumulate_rows(Index dv, Index bk, std::uint64_t seed) {
-  using Ops = kernels::TileOps<Scalar, Arch>;
+  using Scalar = compute_t<Element>;
+  using Ops = kernels::TileOps<Element, Arch>;
   constexpr Index kTile = Ops::kKeyTile;
   const Index bq = 7;
   const RowMatrix<Scalar> p = random_matrix<Scalar>(bq, kTile, seed, 0.5);
-  const RowMatrix<Scalar> v = random_matrix<Scalar>(bk, dv, seed + 1);
+  const RowMatrix<Element> v = random_matrix<Scalar>(bk, dv, seed + 1).template cast<Element>();
   const RowMatrix<Scalar> start = random_matrix<Scalar>(bq, dv, seed + 2);
   RowMatrix<Scalar> all = start;
   Ops::accumulate(p.data(), bq, bk, v.data(), dv, dv, all.data(), dv);
@@ -372,8 +374,9 @@ void check_accumulate_rows(Index dv, Index bk, std::uint64_t seed) {
     for (Index c = 0; c < dv; ++c) {
       double want = double(start(i, c)), scale = std::abs(want);
       for (Index j = 0; j < bk; ++j) {
-        want += double(p(i, j)) * double(v(j, c));
-        scale += std::abs(double(p(i, j)) * double(v(j, c)));
+        const double term = double(p(i, j)) * double(widen(v(j, c)));
+        want += term;
+        scale += std::abs(term);
       }
       worst = std::max(worst, std::abs(double(all(i, c)) - want) / (scale + 1e-30));
     }
@@ -382,7 +385,7 @@ void check_accumulate_rows(Index dv, Index bk, std::uint64_t seed) {
 }
 
 TEMPLATE_TEST_CASE("read kernel: a row's P V does not depend on the rows accumulated with it",
-                   "[kernels][read][cut]", float, double) {
+                   "[kernels][read][cut]", float, double, bf16, fp16) {
   std::uint64_t seed = 300;
   for (Index dv : {1, 5, 8, 13, 64, 67, 128, 200}) {
     for (Index bk : {1, 3, 4, 5, 9, 32, 64}) {
