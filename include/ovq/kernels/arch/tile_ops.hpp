@@ -400,21 +400,27 @@ inline void even_odd_store(float* row, __m256 even, __m256 odd) {
 // ((x1 + x5) + (x3 + x7)) for x = in[a]. Every output is this one tree, whichever position its
 // vector had among the eight (float addition is commutative, so each sum's operands are the
 // same pairs in every position).
-inline __m256 reduce8(const __m256 in[8]) {
-  auto halves = [](__m256 a, __m256 b) {  // [a0+a4 a1+a5 a2+a6 a3+a7 | b0+b4 ... b3+b7]
-    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-  };
-  const __m256 t0 = halves(in[0], in[1]), t1 = halves(in[2], in[3]);
-  const __m256 t2 = halves(in[4], in[5]), t3 = halves(in[6], in[7]);
-  // [(x0+x4)+(x2+x6), (x1+x5)+(x3+x7)] for in[0], in[2] | in[1], in[3] (and in[4..7])
-  const __m256 s0 = _mm256_add_ps(_mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m256 s1 = _mm256_add_ps(_mm256_shuffle_ps(t2, t3, _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm256_shuffle_ps(t2, t3, _MM_SHUFFLE(3, 2, 3, 2)));
-  // Sums of in[0], in[2], in[4], in[6] | in[1], in[3], in[5], in[7], then in order.
+// The tree's three levels, which a caller may also apply as its vectors become ready (the same
+// operations, so the same bits): level 1 on vectors (0, 1), (2, 3), (4, 5), (6, 7), level 2 on
+// the pairs of level 1's results, level 3 on level 2's two results.
+inline __m256 reduce8_level1(__m256 a, __m256 b) {  // [a0+a4 a1+a5 a2+a6 a3+a7 | b0+b4 ... b3+b7]
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+// [(x0+x4)+(x2+x6), (x1+x5)+(x3+x7)] for in[0], in[2] | in[1], in[3] (and in[4..7])
+inline __m256 reduce8_level2(__m256 t0, __m256 t1) {
+  return _mm256_add_ps(_mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+// Sums of in[0], in[2], in[4], in[6] | in[1], in[3], in[5], in[7], then in order.
+inline __m256 reduce8_level3(__m256 s0, __m256 s1) {
   const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(s0, s1, _MM_SHUFFLE(2, 0, 2, 0)),
                                  _mm256_shuffle_ps(s0, s1, _MM_SHUFFLE(3, 1, 3, 1)));
   return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+inline __m256 reduce8(const __m256 in[8]) {
+  return reduce8_level3(
+      reduce8_level2(reduce8_level1(in[0], in[1]), reduce8_level1(in[2], in[3])),
+      reduce8_level2(reduce8_level1(in[4], in[5]), reduce8_level1(in[6], in[7])));
 }
 
 // The lane sums of four 8-lane vectors, [sum x0, sum x1, sum x2, sum x3], by reduce8's tree:
@@ -822,11 +828,24 @@ struct SimdTileOps {
     for (; i < bq; ++i) {
       for (Index c = 0; c < kKeyTile; c += 8) {
         pacing.advance(2 * 8 * d);
-        Products<8> acc;
-        OVQ_UNROLL
-        for (int j = 0; j < 8; ++j)
-          acc.at[j] = dot_products<1, 1>(q + i * q_stride, q_stride, keys + c + j, d).at[0];
-        _mm256_storeu_ps(s + i * kKeyTile + c, reduce_first8(acc, beta));
+        // reduce8's tree applied as the products come (the same operations as reduce_first8):
+        // two partial sums stay live instead of eight products, which do not fit in registers
+        // beside the loop's own (the compiler then kept every accumulator, the running one
+        // included, on the stack: a store and a load in each step's dependency chain).
+        const auto product = [&](int j) {
+          return V::fold_to_8(dot_products<1, 1>(q + i * q_stride, q_stride, keys + c + j, d).at[0]);
+        };
+        const auto quarter = [&](int j) {
+          const __m256 a = product(j);
+          return reduce8_level1(a, product(j + 1));
+        };
+        const auto half = [&](int j) {
+          const __m256 a = quarter(j);
+          return reduce8_level2(a, quarter(j + 2));
+        };
+        const __m256 first = half(0);
+        const __m256 sums = reduce8_level3(first, half(4));
+        _mm256_storeu_ps(s + i * kKeyTile + c, _mm256_mul_ps(sums, _mm256_set1_ps(beta)));
       }
     }
   }
