@@ -272,10 +272,10 @@ struct FlopCounter {
   }
 };
 
-// P V reports at least every few keys of a register block: the SIMD blocks at most 2048 flops
-// at a time whatever dv (AVX-512: 4 rows x 4 vectors x 4 keys); the portable kernel one key of
+// P V reports at least every few keys of a register block: the SIMD blocks at most 4096 flops
+// at a time whatever dv (AVX-512: 4 rows x 4 vectors x 8 keys); the portable kernel one key of
 // one row, 2 dv flops, which is under that bound for every dv tested here (up to 200).
-constexpr Index kMaxPacingStep = 2048;
+constexpr Index kMaxPacingStep = 4096;
 
 // The read's score micro-kernel (TileOps::scores_rows) on its own: a query row's scores are the
 // same bits in every block shape (rows in pairs or alone, any number of rows, any position among

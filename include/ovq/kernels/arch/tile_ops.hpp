@@ -916,8 +916,9 @@ struct SimdTileOps {
     return V::reduce_add(sum);
   }
 
-  // Keys between two calls of the pacing hook in a P V block.
-  static constexpr Index kPacingKeys = 4;
+  // Keys between two calls of the pacing hook in a P V block. A prefetching hook is a call, around
+  // which the block's accumulators go to the stack and back: every 8 keys, not every 4.
+  static constexpr Index kPacingKeys = 8;
   // Keys from which a bf16 P V block on AVX2 widens its values 16 at a time.
   static constexpr Index kEvenOddMinKeys = 8;
 
