@@ -427,13 +427,8 @@ inline __m256 reduce8(const __m256 in[8]) {
 // the same pairs added in the same order, so a score has the same bits whichever of the two sums
 // it, for half of reduce8's work (a 6 x 2 block's last four scores).
 inline __m128 reduce4(__m256 x0, __m256 x1, __m256 x2, __m256 x3) {
-  auto halves = [](__m256 a, __m256 b) {  // [a0+a4 ... a3+a7 | b0+b4 ... b3+b7]
-    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-  };
-  const __m256 t0 = halves(x0, x2), t1 = halves(x1, x3);
   // [(a0+a4)+(a2+a6), (a1+a5)+(a3+a7)] for x0, x1 | for x2, x3
-  const __m256 s = _mm256_add_ps(_mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
-                                 _mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 s = reduce8_level2(reduce8_level1(x0, x2), reduce8_level1(x1, x3));
   const __m128 lo = _mm256_castps256_ps128(s), hi = _mm256_extractf128_ps(s, 1);
   return _mm_add_ps(_mm_shuffle_ps(lo, hi, _MM_SHUFFLE(2, 0, 2, 0)),
                     _mm_shuffle_ps(lo, hi, _MM_SHUFFLE(3, 1, 3, 1)));
@@ -829,9 +824,10 @@ struct SimdTileOps {
       for (Index c = 0; c < kKeyTile; c += 8) {
         pacing.advance(2 * 8 * d);
         // reduce8's tree applied as the products come (the same operations as reduce_first8):
-        // two partial sums stay live instead of eight products, which do not fit in registers
-        // beside the loop's own (the compiler then kept every accumulator, the running one
-        // included, on the stack: a store and a load in each step's dependency chain).
+        // two partial sums stay live instead of eight products. Eight do not fit in registers
+        // beside the loop's own, and the compiler would keep every accumulator, the running one
+        // included, on the stack (a store and a load in each step's dependency chain). Key j is
+        // named before key j + 1 so that the keys are read in address order.
         const auto product = [&](int j) {
           return V::fold_to_8(dot_products<1, 1>(q + i * q_stride, q_stride, keys + c + j, d).at[0]);
         };
@@ -917,7 +913,7 @@ struct SimdTileOps {
   }
 
   // Keys between two calls of the pacing hook in a P V block. A prefetching hook is a call, around
-  // which the block's accumulators go to the stack and back: every 8 keys, not every 4.
+  // which the block's accumulators go to the stack and back, so it is not called for every key.
   static constexpr Index kPacingKeys = 8;
   // Keys from which a bf16 P V block on AVX2 widens its values 16 at a time.
   static constexpr Index kEvenOddMinKeys = 8;
