@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <tuple>
 #include <utility>
@@ -383,6 +384,48 @@ void check_accumulate_rows(Index dv, Index bk, std::uint64_t seed) {
   }
   CHECK(worst < 10 * test::tolerance<Scalar>());
 }
+
+#if defined(OVQ_ARCH_AVX2)
+// reduce8's first level has two forms (across the 128-bit lanes, or each vector's halves added
+// as 128-bit vectors); the build takes one by its tuning target. Both must add the same pairs,
+// operands in the same order, so that scores have the same bits either way: checked on random
+// values, signed zeros, infinities, NaNs and subnormals, and reduce8 against its tree by hand.
+TEST_CASE("read kernel: both forms of reduce8's first level give the same bits",
+          "[kernels][read]") {
+  using kernels::simd::reduce8_level1_across;
+  using kernels::simd::reduce8_level1_halves;
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  const auto noise = random_matrix<float>(64, 8, 97, 1e3);
+  std::vector<float> x(noise.data(), noise.data() + noise.size());
+  const float specials[] = {-0.0f, kInf, -kInf, std::numeric_limits<float>::quiet_NaN(),
+                            std::numeric_limits<float>::denorm_min(),
+                            std::numeric_limits<float>::max()};
+  for (std::size_t i = 0; i < std::size(specials); ++i) x[7 * i + 3] = specials[i];
+  Index differ = 0, wrong_tree = 0;
+  for (Index a = 0; a + 1 < 64; ++a) {
+    const __m256 va = _mm256_loadu_ps(&x[static_cast<std::size_t>(8 * a)]);
+    const __m256 vb = _mm256_loadu_ps(&x[static_cast<std::size_t>(8 * a + 8)]);
+    float across[8], halves[8];
+    _mm256_storeu_ps(across, reduce8_level1_across(va, vb));
+    _mm256_storeu_ps(halves, reduce8_level1_halves(va, vb));
+    differ += std::memcmp(across, halves, sizeof(across)) != 0;
+  }
+  for (Index a = 0; a + 8 <= 64; a += 8) {
+    __m256 in[8];
+    for (int v = 0; v < 8; ++v) in[v] = _mm256_loadu_ps(&x[static_cast<std::size_t>(8 * (a + v))]);
+    float got[8];
+    _mm256_storeu_ps(got, kernels::simd::reduce8(in));
+    for (int v = 0; v < 8; ++v) {
+      const float* e = &x[static_cast<std::size_t>(8 * (a + v))];
+      const float want = ((e[0] + e[4]) + (e[2] + e[6])) + ((e[1] + e[5]) + (e[3] + e[7]));
+      wrong_tree += std::memcmp(&got[v], &want, sizeof(float)) != 0 &&
+                    !(std::isnan(got[v]) && std::isnan(want));
+    }
+  }
+  CHECK(differ == 0);
+  CHECK(wrong_tree == 0);
+}
+#endif
 
 TEMPLATE_TEST_CASE("read kernel: a row's P V does not depend on the rows accumulated with it",
                    "[kernels][read][cut]", float, double, bf16, fp16) {

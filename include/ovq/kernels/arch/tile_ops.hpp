@@ -403,8 +403,25 @@ inline void even_odd_store(float* row, __m256 even, __m256 odd) {
 // The tree's three levels, which a caller may also apply as its vectors become ready (the same
 // operations, so the same bits): level 1 on vectors (0, 1), (2, 3), (4, 5), (6, 7), level 2 on
 // the pairs of level 1's results, level 3 on level 2's two results.
-inline __m256 reduce8_level1(__m256 a, __m256 b) {  // [a0+a4 a1+a5 a2+a6 a3+a7 | b0+b4 ... b3+b7]
+//
+// Level 1, [a0+a4 a1+a5 a2+a6 a3+a7 | b0+b4 ... b3+b7], in two forms that add the same pairs:
+// across the 128-bit lanes (two lane permutes and one 256-bit add), or each vector's halves added
+// as 128-bit vectors, then joined. Zen 1 runs 256-bit operations as two 128-bit halves and a
+// lane-crossing vperm2f128 as 8 micro-ops, so code tuned for it takes the second form.
+inline __m256 reduce8_level1_across(__m256 a, __m256 b) {
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+inline __m256 reduce8_level1_halves(__m256 a, __m256 b) {
+  const __m128 a_sum = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 b_sum = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
+  return _mm256_insertf128_ps(_mm256_castps128_ps256(a_sum), b_sum, 1);
+}
+inline __m256 reduce8_level1(__m256 a, __m256 b) {
+#if defined(__tune_znver1__)
+  return reduce8_level1_halves(a, b);
+#else
+  return reduce8_level1_across(a, b);
+#endif
 }
 // [(x0+x4)+(x2+x6), (x1+x5)+(x3+x7)] for in[0], in[2] | in[1], in[3] (and in[4..7])
 inline __m256 reduce8_level2(__m256 t0, __m256 t1) {
@@ -860,8 +877,17 @@ struct SimdTileOps {
     const reg neg_inf = V::set1(-std::numeric_limits<float>::infinity());
     const reg lowest = V::set1(-std::numeric_limits<float>::max());
     const reg highest = V::set1(std::numeric_limits<float>::max());
-    reg slot = V::iota();
     reg largest = neg_inf;
+    if (lo == 0 && hi == kKeyTile) {  // every slot seen (most tiles): no mask to apply
+      OVQ_UNROLL
+      for (Index j = 0; j < kKeyTile; j += W) {
+        const reg x = V::min(V::max(V::load(s + j), lowest), highest);
+        V::store(s + j, x);
+        largest = V::max(largest, x);
+      }
+      return V::reduce_max(largest);
+    }
+    reg slot = V::iota();
     OVQ_UNROLL
     for (Index j = 0; j < kKeyTile; j += W) {
       // max(x, lowest) is `lowest` for a NaN x (the second operand wins), as in the portable code.
