@@ -67,6 +67,12 @@ struct KeyAxis : KeyAxisGeometry {
 // -inf), so the micro-kernel never branches. A visited tile always holds a key.
 template <class Element, Index kTile>
 void tile_keys(const KeyAxis<Element>& axis, Index tile, const Element* keys[kTile]) {
+  const Index k0 = tile * kTile;
+  if (k0 >= axis.memory_begin() && k0 + kTile <= axis.local_begin()) {  // memory rows only
+    const Element* first = axis.memory.keys.row(k0 - axis.pad);
+    for (Index j = 0; j < kTile; ++j) keys[j] = first + j * axis.memory.keys.stride;
+    return;
+  }
   const Element* any = nullptr;
   for (Index j = 0; j < kTile; ++j) {
     keys[j] = axis.key(tile * kTile + j);
@@ -96,6 +102,7 @@ struct TileBuffers {
   using Compute = compute_t<Element>;
   AlignedVector<Query> q;
   AlignedVector<Compute> scores, acc;
+  AlignedVector<Compute> row_max, row_sum;  // the softmax passes' per-row values
   std::vector<SoftmaxStats<Compute>> stats;
   TileStream<Element> stream;
 
@@ -103,6 +110,8 @@ struct TileBuffers {
       : q(static_cast<std::size_t>(rows * dk)),
         scores(static_cast<std::size_t>(rows * key_tile)),
         acc(static_cast<std::size_t>(rows * dv)),
+        row_max(static_cast<std::size_t>(rows)),
+        row_sum(static_cast<std::size_t>(rows)),
         stats(static_cast<std::size_t>(rows)) {}
 
   void clear_state(Index rows, Index dv) {
@@ -145,7 +154,12 @@ void fold_key_tile(const KeyAxis<Element>& axis, Index tile, Index p0, Index hea
                          2 * bq * (kTile * dk + (mem_hi - mem_lo) * dv));
   }
   Ops::scores_rows(buf.q.data(), dk, bq, keys, dk, beta, s, pacing);
-  for (Index r = 0; r < bq; ++r) {
+  // The softmax of the tile in three passes over its rows, each row's steps in order: a row's
+  // steps form one long dependency chain (maximum, exponentials, sums), and rows are
+  // independent, so a pass lets the processor overlap the chains of several rows.
+  Compute* const row_max = buf.row_max.data();
+  Compute* const row_sum = buf.row_sum.data();
+  for (Index r = 0; r < bq; ++r) {  // masked maximum (bias added)
     Compute* row = s + r * kTile;
     const Index p = p0 + r / heads;
     const Index lo = std::clamp<Index>(axis.first(p) - k0, 0, kTile);
@@ -153,17 +167,21 @@ void fold_key_tile(const KeyAxis<Element>& axis, Index tile, Index p0, Index hea
     if (axis.memory.bias != nullptr)
       for (Index j = std::max(lo, mem_lo); j < std::min(hi, mem_hi); ++j)
         row[j] += axis.memory.bias[k0 + j - axis.pad];
-    const Compute tile_max = Ops::mask_max(row, lo, hi);
+    row_max[r] = std::max(buf.stats[static_cast<std::size_t>(r)].m, Ops::mask_max(row, lo, hi));
+  }
+  for (Index r = 0; r < bq; ++r)  // exponentials against the new maximum, and their sum
+    if (row_max[r] != kNegInf) row_sum[r] = Ops::exp_sum(s + r * kTile, row_max[r]);
+  for (Index r = 0; r < bq; ++r) {  // the running average and its weights
+    Compute* row = s + r * kTile;
     SoftmaxStats<Compute>& st = buf.stats[static_cast<std::size_t>(r)];
-    const Compute m_new = std::max(st.m, tile_max);
+    const Compute m_new = row_max[r];
     if (m_new == kNegInf) {  // nothing visible so far: this tile adds nothing to row r
       std::fill(row, row + kTile, Compute(0));
       continue;
     }
-    const Compute sum = Ops::exp_sum(row, m_new);
     // New average = old average * (l_old rescaled / l_new) + (P / l_new) V.
     const Compute l_kept = st.m == m_new ? st.l : st.l * std::exp(st.m - m_new);
-    const Compute l_new = l_kept + sum;
+    const Compute l_new = l_kept + row_sum[r];
     const Compute keep = l_kept / l_new;
     const Compute inv = Compute(1) / l_new;
     if (keep != Compute(1)) {
