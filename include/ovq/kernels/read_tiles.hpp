@@ -75,7 +75,7 @@ void tile_keys(const KeyAxis<Element>& axis, Index tile, const Element* keys[kTi
   }
   const Element* any = nullptr;
   for (Index j = 0; j < kTile; ++j) {
-    keys[j] = axis.key(tile * kTile + j);
+    keys[j] = axis.key(k0 + j);
     if (any == nullptr) any = keys[j];
   }
   for (Index j = 0; j < kTile; ++j)

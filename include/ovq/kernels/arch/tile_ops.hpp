@@ -877,22 +877,14 @@ struct SimdTileOps {
     const reg neg_inf = V::set1(-std::numeric_limits<float>::infinity());
     const reg lowest = V::set1(-std::numeric_limits<float>::max());
     const reg highest = V::set1(std::numeric_limits<float>::max());
-    reg largest = neg_inf;
-    if (lo == 0 && hi == kKeyTile) {  // every slot seen (most tiles): no mask to apply
-      OVQ_UNROLL
-      for (Index j = 0; j < kKeyTile; j += W) {
-        const reg x = V::min(V::max(V::load(s + j), lowest), highest);
-        V::store(s + j, x);
-        largest = V::max(largest, x);
-      }
-      return V::reduce_max(largest);
-    }
+    const bool masked = lo > 0 || hi < kKeyTile;  // most tiles: every slot seen, no mask
     reg slot = V::iota();
+    reg largest = neg_inf;
     OVQ_UNROLL
     for (Index j = 0; j < kKeyTile; j += W) {
       // max(x, lowest) is `lowest` for a NaN x (the second operand wins), as in the portable code.
       const reg x = V::min(V::max(V::load(s + j), lowest), highest);
-      const reg kept = V::select_between(slot, lo_v, hi_v, x, neg_inf);
+      const reg kept = masked ? V::select_between(slot, lo_v, hi_v, x, neg_inf) : x;
       V::store(s + j, kept);
       largest = V::max(largest, kept);
       slot = V::add(slot, V::set1(static_cast<float>(W)));
