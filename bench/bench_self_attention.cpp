@@ -5,13 +5,16 @@
 //   BM_SelfAttention_prefill/T:<T>/d:128/Hq:32/Hkv:8    grouped queries
 //   BM_SelfAttention_decode/ctx:<C>/d:128/H:8           C = 1k ... 64k
 //   BM_SelfAttention_decode/ctx:<C>/d:128/Hq:32/Hkv:8
+//   BM_SelfAttention_decode_window/ctx:65536/window:4096/d:128/H:8
+//                                                       sliding window: the cache holds W - 1
+//                                                       rows, dropping its oldest at each step
 //   .../elem:bf16, .../elem:fp16                        16-bit inputs and cache: prefill T = 4096
 //                                                       d = 128 H = 8, decode C = 4k and 64k
 //
 // Prefill is quadratic: T = 65536 at 8 heads needs 2 * 65536^2 / 2 * 256 * 8 = 4.4 TFLOP, so the
 // longest cases run 2 heads (one per core of a 2-core machine; compare per head and token).
 // Decode appends a row per step: the cache is put back to C rows every max(32, C / 32) steps,
-// so it stays within 3% of C (and within 32 rows at C = 1k).
+// so it stays within 3% of C (and within 32 rows at C = 1k). A windowed cache keeps its size.
 #include "bench_common.hpp"
 
 namespace {
@@ -48,6 +51,26 @@ void decode_case(Index ctx, Index d, Index hq, Index hkv) {
            });
 }
 
+// A sliding-window decode step after a long stream: it reads the W - 1 cached rows (and its
+// own), like a full cache of W rows, and drops the oldest row.
+void decode_window_case(Index ctx, Index window, Index d, Index h) {
+  using Mixer = ovq::SelfAttention<float>;
+  add_case(case_name("BM_SelfAttention_decode_window", {{"ctx", ctx}, {"window", window}, {"d", d}},
+                     h, h),
+           [=](benchmark::State& st) {
+             ovq::SelfAttentionOptions options;
+             options.window = window;
+             const Mixer mixer(options);
+             const auto& context = absorbed_context<Mixer>(
+                 "self-window/W:" + std::to_string(window) + "/d:" + std::to_string(d) +
+                     "/H:" + std::to_string(h),
+                 ctx, [&] { return ovq::MultiHead<Mixer>(mixer, 1, h, h, d, d); });
+             const double rows = static_cast<double>(window - 1);
+             const double bytes = rows * static_cast<double>(h * 2 * d) * sizeof(float);
+             run_decode(st, mixer, context, h, 0, flops::self_decode(rows, d, d, h), bytes);
+           });
+}
+
 void register_cases() {
   for (Index d : {64, 128}) {
     for (Index t = 512; t <= 65536; t *= 2)
@@ -58,6 +81,7 @@ void register_cases() {
     decode_case(ctx, 128, 8, 8);
     decode_case(ctx, 128, 32, 8);
   }
+  decode_window_case(65536, 4096, 128, 8);
   prefill_case<ovq::bf16>(4096, 128, 8, 8);
   prefill_case<ovq::fp16>(4096, 128, 8, 8);
   for (Index ctx : {4096, 65536}) {

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
+#include <random>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -590,6 +591,47 @@ TEMPLATE_TEST_CASE("ovq state: the sliding-window KvCache keeps exactly the last
     for (Index i = 0; i < 12; ++i)
       mixer.step(st2, Vec<S>::Zero(2), Vec<S>(k.row(i)), Vec<S>(v.row(i)));
     CHECK(st2 == st);
+  }
+  // Long streams: the kept rows move to the front of the buffer many times over (windows of
+  // 2 to 71 tokens, pieces of 1 to 90 tokens); after every piece the cache holds exactly the last
+  // rows, and reads them as its own history (the outputs of a cache rebuilt from them).
+  const Index t = 600;
+  const Mat<S> long_k = ovq::test::random_matrix<S>(t, 2, 303);
+  const Mat<S> long_v = ovq::test::random_matrix<S>(t, 3, 304);
+  const Mat<S> long_q = ovq::test::random_matrix<S>(t, 2, 305);
+  std::mt19937 pieces_rng(306);
+  for (Index window : {Index(2), Index(17), Index(33), Index(71)}) {
+    CAPTURE(window);
+    ovq::SelfAttentionOptions opt;
+    opt.window = window;
+    opt.chunk = 8;
+    const ovq::SelfAttention<S> mixer(opt);
+    auto st = mixer.make_state(2, 3);
+    Index seen = 0;
+    while (seen < t) {
+      const Index piece = std::min<Index>(
+          t - seen, std::uniform_int_distribution<Index>(1, pieces_rng() % 4 == 0 ? 90 : 3)(
+                        pieces_rng));
+      CAPTURE(seen, piece);
+      // The same piece from a fresh cache holding the same rows: the same outputs, bitwise.
+      auto rebuilt = mixer.make_state(2, 3);
+      rebuilt.assign(st.keys(), st.values(), st.tokens());
+      const Mat<S> q = long_q.middleRows(seen, piece);
+      const Mat<S> k = long_k.middleRows(seen, piece);
+      const Mat<S> v = long_v.middleRows(seen, piece);
+      const Mat<S> o = mixer.forward(st, q, k, v);
+      CHECK(mixer.forward(rebuilt, q, k, v) == o);
+      seen += piece;
+      const Index kept = std::min(seen, window - 1);
+      REQUIRE(st.size() == kept);
+      CHECK(st.tokens() == seen);
+      CHECK(ovq::as_eigen(st.keys()) == long_k.middleRows(seen - kept, kept));
+      CHECK(ovq::as_eigen(st.values()) == long_v.middleRows(seen - kept, kept));
+      CHECK(st == rebuilt);
+      // Once full, the cache keeps its slack: the kept rows move once per slack() tokens, not
+      // at every step.
+      if (kept == window - 1) CHECK(st.capacity() == kept + kept / 4 + 16);
+    }
   }
   // Without a window every row is kept.
   const ovq::SelfAttention<S> full{};
