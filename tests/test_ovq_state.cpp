@@ -564,12 +564,15 @@ TEMPLATE_TEST_CASE("ovq state: the sliding-window KvCache keeps exactly the last
   using S = TestType;
   const Mat<S> k = ovq::test::random_matrix<S>(12, 2, 301);
   const Mat<S> v = ovq::test::random_matrix<S>(12, 3, 302);
-  for (Index window : {Index(1), Index(2), Index(4), Index(7)}) {
-    CAPTURE(window);
+  const auto windowed = [](Index window, Index chunk) {
     ovq::SelfAttentionOptions opt;
     opt.window = window;
-    opt.chunk = 2;
-    const ovq::SelfAttention<S> mixer(opt);
+    opt.chunk = chunk;
+    return ovq::SelfAttention<S>(opt);
+  };
+  for (Index window : {Index(1), Index(2), Index(4), Index(7)}) {
+    CAPTURE(window);
+    const ovq::SelfAttention<S> mixer = windowed(window, 2);
     auto st = mixer.make_state(2, 3);
     CHECK(st.keep_rows() == window - 1);
     // Pieces of 1, 5, 2, 1, 3 tokens: some shorter, some longer than the window.
@@ -602,10 +605,7 @@ TEMPLATE_TEST_CASE("ovq state: the sliding-window KvCache keeps exactly the last
   std::mt19937 pieces_rng(306);
   for (Index window : {Index(2), Index(17), Index(33), Index(71)}) {
     CAPTURE(window);
-    ovq::SelfAttentionOptions opt;
-    opt.window = window;
-    opt.chunk = 8;
-    const ovq::SelfAttention<S> mixer(opt);
+    const ovq::SelfAttention<S> mixer = windowed(window, 8);
     auto st = mixer.make_state(2, 3);
     Index seen = 0;
     while (seen < t) {
