@@ -85,7 +85,9 @@ def _compute_dtype(name):
 
 
 def _is_torch(x):
-    return type(x).__module__.startswith("torch")
+    """A torch tensor (subclasses included); torch is only looked at if the caller imported it."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
 
 
 def _view(x):
@@ -94,7 +96,7 @@ def _view(x):
     device and anything else as they are, for the extension to read or to name what is wrong
     with them. (The mixers' calls read tensors directly.)"""
     global _BFLOAT16
-    if not type(x).__module__.startswith("torch"):
+    if not _is_torch(x):
         return x
     if _BFLOAT16 is None:
         _BFLOAT16 = sys.modules["torch"].bfloat16
@@ -114,7 +116,7 @@ _TORCH_DTYPES = {}  # dtype name -> torch dtype, once a tensor has been seen
 
 def _empty(like, shape, dtype_name):
     """An uninitialised array of the kind of `like` (NumPy or torch, on its device)."""
-    if type(like).__module__.startswith("torch"):
+    if _is_torch(like):
         if not _TORCH_DTYPES:
             torch = sys.modules["torch"]
             _TORCH_DTYPES.update((n, getattr(torch, n)) for n in _DTYPES)
@@ -126,7 +128,7 @@ def _empty(like, shape, dtype_name):
 
 def _ndim(x, name):
     try:
-        return len(x.shape)
+        return x.ndim  # (a nested tensor has no shape, but has its dimensions)
     except AttributeError:
         raise TypeError(
             f"{name} is a {type(x).__name__}, expected a NumPy array or a torch tensor"
@@ -194,11 +196,7 @@ class _Mixer:
 
     def step(self, state, q, k, v, *, out=None, threads=0):
         """One token: q, k: (dk,), v: (dv,) -> (dv,); the same bits as forward over it."""
-        if out is None:
-            out = (_empty(q, (v.shape[0],), _state_dtype(state))
-                   if _ndim(q, "q") == 1 and _ndim(v, "v") == 1 else _PLACEHOLDER)
-        self._impl._step(state, q, k, v, out, threads)
-        return out
+        return self._impl._step(state, q, k, v, out, threads)
 
     def absorb(self, state, k, v, *, threads=0):
         """Writes k (T, dk), v (T, dv) into the state without outputs (encoding a context)."""
@@ -364,11 +362,7 @@ class MultiHead:
 
     def step(self, q, k, v, *, out=None, threads=0):
         """One token per head: (B, Hq, dk), (B, Hkv, dk), (B, Hkv, dv) -> (B, Hq, dv)."""
-        if out is None:
-            out = (_empty(q, (self.batch, self.query_heads, self.dv), self.dtype)
-                   if _ndim(q, "q") == 3 else _PLACEHOLDER)
-        self._impl._step(q, k, v, out, threads)
-        return out
+        return self._impl._step(q, k, v, out, threads)
 
     def absorb(self, k, v, *, threads=0):
         """Writes k (B, Hkv, T, dk), v (B, Hkv, T, dv) into every state, without outputs."""

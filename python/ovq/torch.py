@@ -33,9 +33,9 @@ _LOCK = threading.Lock()
 
 def _layer(handle):
     try:
-        return _LAYERS[int(handle[0])]
+        return _LAYERS[handle.item()]
     except KeyError:
-        raise RuntimeError(f"ovq.torch: no layer has handle {int(handle[0])} (it was freed)") from None
+        raise RuntimeError(f"ovq.torch: no layer has handle {handle.item()} (it was freed)") from None
 
 
 def _register(layer):
@@ -49,14 +49,9 @@ _FORWARD_ONLY = ("ovq.torch: the ovq ops are forward only; there is no backward 
                  "{name} (detach its inputs, or run it under torch.no_grad())")
 
 
-def _cpu(*tensors):
-    return [t.detach() for t in tensors]
-
-
 @torch.library.custom_op("ovq::forward", mutates_args=("handle",))
 def _forward_op(handle: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 threads: int) -> torch.Tensor:
-    q, k, v = _cpu(q, k, v)
     return _layer(handle).forward(q, k, v, threads=threads)
 
 
@@ -68,7 +63,6 @@ def _(handle, q, k, v, threads):
 @torch.library.custom_op("ovq::forward_lse", mutates_args=("handle",))
 def _forward_lse_op(handle: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     threads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    q, k, v = _cpu(q, k, v)
     return _layer(handle).forward(q, k, v, return_lse=True, threads=threads)
 
 
@@ -81,7 +75,6 @@ def _(handle, q, k, v, threads):
 @torch.library.custom_op("ovq::step", mutates_args=("handle",))
 def _step_op(handle: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              threads: int) -> torch.Tensor:
-    q, k, v = _cpu(q, k, v)
     return _layer(handle).step(q, k, v, threads=threads)
 
 
@@ -92,7 +85,6 @@ def _(handle, q, k, v, threads):
 
 @torch.library.custom_op("ovq::absorb", mutates_args=("handle",))
 def _absorb_op(handle: torch.Tensor, k: torch.Tensor, v: torch.Tensor, threads: int) -> None:
-    k, v = _cpu(k, v)
     _layer(handle).absorb(k, v, threads=threads)
 
 
@@ -117,7 +109,7 @@ class _ForwardOnly(torch.autograd.Function):
 def _forward_only(name, outputs, *inputs):
     """Eager calls whose inputs require grad: outputs whose backward raises a clear error.
     (Under torch.compile the ops' own missing autograd formula raises at backward.)"""
-    if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
+    if not (any(t.requires_grad for t in inputs) and torch.is_grad_enabled()):
         return outputs
     if isinstance(outputs, tuple):
         return tuple(_ForwardOnly.apply(name, o, *inputs) for o in outputs)
@@ -169,10 +161,10 @@ class Attention(torch.nn.Module):
         v = v.contiguous()
         if torch.compiler.is_compiling():
             return torch.ops.ovq.step(self.handle, q, k, v, self.threads)
-        layer = self.layer
-        out = q.new_empty((layer.batch, layer.query_heads, layer.dv))
-        layer._impl._step(q, k, v, out, self.threads)
-        return _forward_only("ovq::step", out, q, k, v)
+        out = self.layer._impl._step(q, k, v, None, self.threads)
+        if q.requires_grad or k.requires_grad or v.requires_grad:
+            return _forward_only("ovq::step", out, q, k, v)
+        return out
 
     def absorb(self, k, v):
         """Writes (B, Hkv, T, dk), (B, Hkv, T, dv) into the states, with no outputs."""

@@ -1,8 +1,8 @@
 // ovq._ovq: the C++ mixers, states and multi-head layers for Python (nanobind).
 //
-// The extension is the thin, checked layer between Python arrays and the library: it never
-// allocates an output (the Python package, ovq/__init__.py, does, as a NumPy array or a torch
-// tensor matching the inputs), reads every array in place through its DLPack/buffer view, and
+// The extension is the thin, checked layer between Python arrays and the library: it reads every
+// array in place through its DLPack/buffer view (a decode step's output, when the caller gives
+// none, is allocated here as the inputs' kind: a torch tensor or a NumPy array), and
 // refuses, with TypeError or ValueError naming the argument, anything the library cannot read
 // in place: another dtype than the state's, another rank, a non C-contiguous layout, a
 // read-only output, memory on another device, outputs overlapping inputs. The library's own
@@ -191,17 +191,77 @@ void check_disjoint(const char* where, const char* out_name, const InArray& out,
 // ---- arrays from Python objects ----
 //
 // NumPy arrays (and anything else with a buffer or DLPack) come through nanobind's ndarray
-// caster. A torch.Tensor is read through its own accessors instead: its pointer, shape and
-// strides, with the tensor as the owner, which costs a fraction of a DLPack capsule per call
-// (what a decode step's overhead is made of). ovq never imports torch: a tensor exists only if
-// the caller did.
+// caster. A torch.Tensor is read without a DLPack capsule, which would cost more than a small
+// decode step: through PyTorch's DLPack exchange table where it can be used, else through the
+// tensor's own accessors (its pointer, shape and strides), with the tensor as the owner. ovq
+// never imports torch: a tensor exists only if the caller did.
+
+// The C function table a framework puts on its tensor type as `__dlpack_c_exchange_api__`
+// (DLPack 1.3, major version 1): a tensor described as a DLTensor, and new tensors, without a
+// Python call.
+namespace exchange {
+struct Version {
+  std::uint32_t major, minor;
+};
+struct ManagedTensor {  // DLManagedTensorVersioned
+  Version version;
+  void* manager_ctx;
+  void (*deleter)(ManagedTensor*);
+  std::uint64_t flags;
+  nb::dlpack::dltensor tensor;
+};
+using SetError = void (*)(void* context, const char* kind, const char* message);
+struct Table {  // DLPackExchangeAPI
+  Version version;
+  const void* previous_version;
+  int (*allocate)(nb::dlpack::dltensor* prototype, ManagedTensor** out, void* context,
+                  SetError set_error);
+  int (*to_managed)(void* object, ManagedTensor** out);
+  int (*to_object)(ManagedTensor* tensor, void** object);
+  int (*describe)(void* object, nb::dlpack::dltensor* out);  // may be null
+  int (*current_stream)(std::int32_t device_type, std::int32_t device_id, void** stream);
+};
+
+// The table of `type`, or null where it has none this code can use.
+const Table* table_of(PyObject* type) {
+  PyObject* capsule = PyObject_GetAttrString(type, "__dlpack_c_exchange_api__");
+  if (capsule == nullptr) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  auto* table = static_cast<const Table*>(PyCapsule_GetPointer(capsule, "dlpack_exchange_api"));
+  if (table == nullptr) {
+    PyErr_Clear();
+    Py_DECREF(capsule);
+    return nullptr;
+  }
+  // The table lives as long as the type (for the process: torch is never unloaded); the
+  // capsule is kept with it.
+  if (table->version.major != 1 || table->describe == nullptr || table->allocate == nullptr ||
+      table->to_object == nullptr) {
+    Py_DECREF(capsule);
+    return nullptr;
+  }
+  return table;
+}
+}  // namespace exchange
 
 struct TorchTypes {
-  PyObject* tensor = nullptr;  // torch.Tensor
+  PyObject* tensor = nullptr;     // torch.Tensor
+  PyObject* parameter = nullptr;  // torch.nn.Parameter (or null)
+  PyObject* strided = nullptr;    // torch.strided
+  PyObject* empty = nullptr;      // torch.empty
   PyObject* f32 = nullptr;
   PyObject* f64 = nullptr;
   PyObject* f16 = nullptr;
   PyObject* bf16 = nullptr;
+  const exchange::Table* table = nullptr;  // torch.Tensor's exchange table, or null
+  struct {  // interned attribute names: looked up without making a string each time
+    PyObject* layout = PyUnicode_InternFromString("layout");
+    PyObject* is_cpu = PyUnicode_InternFromString("is_cpu");
+    PyObject* is_nested = PyUnicode_InternFromString("is_nested");
+    PyObject* is_neg = PyUnicode_InternFromString("is_neg");
+  } names;
 };
 
 const TorchTypes* torch_types() {
@@ -216,6 +276,14 @@ const TorchTypes* torch_types() {
     types.f64 = nb::object(mod.attr("float64")).release().ptr();
     types.f16 = nb::object(mod.attr("float16")).release().ptr();
     types.bf16 = nb::object(mod.attr("bfloat16")).release().ptr();
+    types.strided = nb::object(mod.attr("strided")).release().ptr();
+    types.empty = nb::object(mod.attr("empty")).release().ptr();
+    try {
+      types.parameter = nb::object(mod.attr("nn").attr("Parameter")).release().ptr();
+    } catch (nb::python_error&) {
+      types.parameter = nullptr;
+    }
+    types.table = exchange::table_of(nb::object(mod.attr("Tensor")).ptr());
     types.tensor = nb::object(mod.attr("Tensor")).release().ptr();
   }
   return &types;
@@ -237,15 +305,74 @@ std::string text_of(nb::handle x) {
   return owned.c_str();
 }
 
+// The array a DLTensor describes, owned by `owner`; nothing where it is not one of the four
+// elements in CPU memory with strides.
+template <class Array>
+std::optional<Array> array_of_dltensor(const nb::dlpack::dltensor& dl, nb::handle owner) {
+  const bool known = dl.dtype == dlpack_dtype<float>() || dl.dtype == dlpack_dtype<double>() ||
+                     dl.dtype == dlpack_dtype<bf16>() || dl.dtype == dlpack_dtype<fp16>();
+  if (!known || dl.device.device_type != nb::device::cpu::value || dl.ndim < 0 || dl.ndim > 8 ||
+      dl.data == nullptr || dl.strides == nullptr)
+    return std::nullopt;
+  std::size_t sizes[8];
+  for (std::int32_t i = 0; i < dl.ndim; ++i) sizes[i] = static_cast<std::size_t>(dl.shape[i]);
+  return Array(static_cast<char*>(dl.data) + dl.byte_offset, static_cast<std::size_t>(dl.ndim),
+               sizes, owner, dl.strides, dl.dtype, nb::device::cpu::value);
+}
+
+// A tensor attribute (`name`: an interned string), or the result of calling the method of that
+// name, read as a flag; one the tensor lacks (or that fails) reads as `otherwise`.
+bool tensor_flag(nb::handle h, PyObject* name, bool call, bool otherwise) {
+  PyObject* value = call ? PyObject_CallMethodNoArgs(h.ptr(), name) : PyObject_GetAttr(h.ptr(), name);
+  if (value == nullptr) {
+    PyErr_Clear();
+    return otherwise;
+  }
+  const bool flag = value == Py_True;
+  Py_DECREF(value);
+  return flag;
+}
+
+// The tensor as an array through the exchange table, or nothing where the table cannot be
+// trusted with it: its functions check nothing (a sparse or nested tensor crashes them, a
+// lazily negated view reads as the memory under it), so they only see dense, un-negated CPU
+// tensors of the two plain tensor types, with one of the four elements and memory behind them.
+// Everything else takes the accessors' path, which names what is wrong.
+template <class Array>
+std::optional<Array> exchanged_array(const TorchTypes& t, nb::handle h) {
+  PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(h.ptr()));
+  if (t.table == nullptr || (type != t.tensor && type != t.parameter)) return std::nullopt;
+  PyObject* layout = PyObject_GetAttr(h.ptr(), t.names.layout);
+  if (layout == nullptr) {
+    PyErr_Clear();
+    return std::nullopt;
+  }
+  const bool strided = layout == t.strided;
+  Py_DECREF(layout);
+  if (!strided || !tensor_flag(h, t.names.is_cpu, false, false) ||
+      tensor_flag(h, t.names.is_nested, false, true) || tensor_flag(h, t.names.is_neg, true, true))
+    return std::nullopt;
+  nb::dlpack::dltensor dl;
+  if (t.table->describe(h.ptr(), &dl) != 0) {
+    PyErr_Clear();
+    return std::nullopt;
+  }
+  return array_of_dltensor<Array>(dl, h);
+}
+
 template <class Array>
 Array torch_array(nb::handle h, const char* where, const char* name) {
   const TorchTypes* t = torch_types();
+  if (std::optional<Array> fast = exchanged_array<Array>(*t, h)) return *std::move(fast);
   if (!nb::cast<bool>(h.attr("is_cpu"))) {
     const std::string device = text_of(h.attr("device"));
     throw nb::type_error(str(where, ": ", name, " is on ", device,
                              ", expected CPU memory: this build of ovq runs on the CPU")
                              .c_str());
   }
+  if (tensor_flag(h, t->names.is_nested, false, false))
+    throw nb::type_error(str(where, ": ", name, " is a nested tensor, expected a dense tensor")
+                             .c_str());
   nb::object dtype = h.attr("dtype");
   nb::dlpack::dtype dt;
   if (dtype.ptr() == t->f32) {
@@ -281,10 +408,17 @@ Array torch_array(nb::handle h, const char* where, const char* name) {
   const std::size_t ndim = nb::len(shape);
   std::vector<std::size_t> sizes(ndim);
   std::vector<std::int64_t> steps(ndim);
+  std::size_t elements = 1;
   for (std::size_t i = 0; i < ndim; ++i) {
     sizes[i] = nb::cast<std::size_t>(shape[i]);
     steps[i] = nb::cast<std::int64_t>(strides[i]);
+    elements *= sizes[i];
   }
+  // A ZeroTensor (what autograd can hand out for an all-zero gradient) has no memory at all.
+  if (data == nullptr && elements > 0)
+    throw nb::value_error(str(where, ": ", name, " has no memory behind its values (a "
+                              "ZeroTensor), expected a tensor whose values are stored "
+                              "(torch.zeros)").c_str());
   return Array(data, ndim, sizes.data(), h, steps.data(), dt, nb::device::cpu::value);
 }
 
@@ -311,6 +445,70 @@ OutArray output(nb::handle h, const char* where, const char* name) {
 std::optional<OutArray> optional_output(nb::handle h, const char* where, const char* name) {
   if (h.is_none()) return std::nullopt;
   return output(h, where, name);
+}
+
+// ---- outputs made here ----
+
+void set_python_error(void* /*context*/, const char* kind, const char* message) {
+  PyErr_SetString(std::strcmp(kind, "MemoryError") == 0 ? PyExc_MemoryError : PyExc_RuntimeError,
+                  message);
+}
+
+// An output made here: the Python object the caller gets, and the array ovq writes.
+struct NewOutput {
+  nb::object object;
+  OutArray array;
+};
+
+// A new uninitialised C-contiguous array of `shape` and element S, of the kind of `like`: a CPU
+// torch tensor for a tensor (through the exchange table: no Python call), else a NumPy array.
+template <class S>
+NewOutput new_output_like(nb::handle like, const std::vector<std::int64_t>& shape,
+                          const char* where) {
+  if (is_torch_tensor(like)) {
+    const TorchTypes& t = *torch_types();
+    if (t.table != nullptr) {
+      nb::dlpack::dltensor prototype;
+      prototype.device = {nb::device::cpu::value, 0};
+      prototype.ndim = static_cast<std::int32_t>(shape.size());
+      prototype.dtype = dlpack_dtype<S>();
+      prototype.shape = const_cast<std::int64_t*>(shape.data());
+      exchange::ManagedTensor* tensor = nullptr;
+      if (t.table->allocate(&prototype, &tensor, nullptr, set_python_error) != 0 ||
+          tensor == nullptr)
+        throw nb::python_error();
+      // Described before the tensor object takes it over (its shape and strides live as long
+      // as it does, not necessarily as the DLPack wrapper); `made` keeps the memory alive.
+      std::optional<OutArray> array = array_of_dltensor<OutArray>(tensor->tensor, nb::handle());
+      void* object = nullptr;
+      if (t.table->to_object(tensor, &object) != 0 || object == nullptr)  // takes the tensor
+        throw nb::python_error();
+      nb::object made = nb::steal(static_cast<PyObject*>(object));
+      if (!array) array = output(made, where, "out");
+      return {std::move(made), *std::move(array)};
+    }
+    PyObject* dtype = std::is_same_v<S, float>    ? t.f32
+                      : std::is_same_v<S, double> ? t.f64
+                      : std::is_same_v<S, fp16>   ? t.f16
+                                                  : t.bf16;
+    nb::list dims;
+    for (std::int64_t n : shape) dims.append(n);
+    nb::object made = nb::borrow(t.empty)(nb::tuple(dims), "dtype"_a = nb::borrow(dtype));
+    OutArray array = output(made, where, "out");
+    return {std::move(made), std::move(array)};
+  }
+  if constexpr (std::is_same_v<S, bf16>) {
+    throw nb::type_error(str(where, ": bfloat16 needs torch tensors: NumPy has no bfloat16").c_str());
+  } else {
+    // Kept for the life of the process, like the torch objects above.
+    static PyObject* numpy_empty =
+        nb::object(nb::module_::import_("numpy").attr("empty")).release().ptr();
+    nb::list dims;
+    for (std::int64_t n : shape) dims.append(n);
+    nb::object made = nb::borrow(numpy_empty)(nb::tuple(dims), "dtype"_a = element_name<S>());
+    OutArray array = output(made, where, "out");
+    return {std::move(made), std::move(array)};
+  }
 }
 
 // ---- threads ----
@@ -633,6 +831,20 @@ void read_call(const char* where, std::size_t ndim, const PyMixer<F>& self, PySt
   });
 }
 
+// step's output when the caller gives none: (dv,) of the state's element, like q. The inputs
+// are checked first, so that a bad one is what the caller hears about.
+template <class F>
+NewOutput new_step_output(PyState<F>& st, nb::handle like, const InArray& q, const InArray& k,
+                           const InArray& v) {
+  return visit(st, [&](auto& state) {
+    using S = element_of<std::decay_t<decltype(state)>>;
+    check_array<S>("step", "q", q, 1, "(dk,)");
+    check_array<S>("step", "k", k, 1, "(dk,)");
+    check_array<S>("step", "v", v, 1, "(dv,)");
+    return new_output_like<S>(like, {static_cast<std::int64_t>(v.shape(0))}, "step");
+  });
+}
+
 // absorb(state, k (T, dk), v (T, dv), threads)
 template <class F>
 void absorb(const PyMixer<F>& self, PyState<F>& st, const InArray& k, const InArray& v,
@@ -778,6 +990,26 @@ void mh_read(const char* where, std::size_t ndim, PyMultiHead<F>& self, const In
         } else {
           layer.forward(qm, km, vm, om);
         }
+      },
+      self.layer);
+}
+
+// The layer's step output when the caller gives none: (B, Hq, dv) of the layer's element, like
+// q, once the inputs passed their checks.
+template <class F>
+NewOutput mh_new_step_output(PyMultiHead<F>& self, nb::handle like, const InArray& q,
+                              const InArray& k, const InArray& v) {
+  return std::visit(
+      [&](auto& layer) {
+        using S = typename std::decay_t<decltype(layer)>::Scalar;
+        check_array<S>("step", "q", q, 3, "(B, Hq, dk)");
+        check_array<S>("step", "k", k, 3, "(B, Hkv, dk)");
+        check_array<S>("step", "v", v, 3, "(B, Hkv, dv)");
+        return new_output_like<S>(like,
+                                  {static_cast<std::int64_t>(layer.batch()),
+                                   static_cast<std::int64_t>(layer.query_heads()),
+                                   static_cast<std::int64_t>(layer.value_dim())},
+                                  "step");
       },
       self.layer);
 }
@@ -1004,8 +1236,14 @@ nb::class_<PyMixer<F>> bind_mixer(nb::module_& m, const char* layer_name) {
                        nb::handle out, int threads) {
          const char* w = "step";
          const InArray qa = input(q, w, "q"), ka = input(k, w, "k"), va = input(v, w, "v");
-         read_call(w, 1, self, st, qa, ka, va, output(out, w, "out"), std::nullopt, threads);
-       }, "state"_a, "q"_a, "k"_a, "v"_a, "out"_a, "threads"_a)
+         if (!out.is_none()) {
+           read_call(w, 1, self, st, qa, ka, va, output(out, w, "out"), std::nullopt, threads);
+           return nb::borrow(out);
+         }
+         NewOutput o = new_step_output(st, q, qa, ka, va);
+         read_call(w, 1, self, st, qa, ka, va, o.array, std::nullopt, threads);
+         return o.object;
+       }, "state"_a, "q"_a, "k"_a, "v"_a, "out"_a.none(), "threads"_a)
       .def("_absorb", [](const M& self, St& st, nb::handle k, nb::handle v, int threads) {
          const InArray ka = input(k, "absorb", "k"), va = input(v, "absorb", "v");
          absorb(self, st, ka, va, threads);
@@ -1070,8 +1308,14 @@ nb::class_<PyMixer<F>> bind_mixer(nb::module_& m, const char* layer_name) {
                        int threads) {
          const char* w = "step";
          const InArray qa = input(q, w, "q"), ka = input(k, w, "k"), va = input(v, w, "v");
-         mh_read(w, 3, l, qa, ka, va, output(out, w, "out"), std::nullopt, threads);
-       }, "q"_a, "k"_a, "v"_a, "out"_a, "threads"_a)
+         if (!out.is_none()) {
+           mh_read(w, 3, l, qa, ka, va, output(out, w, "out"), std::nullopt, threads);
+           return nb::borrow(out);
+         }
+         NewOutput o = mh_new_step_output(l, q, qa, ka, va);
+         mh_read(w, 3, l, qa, ka, va, o.array, std::nullopt, threads);
+         return o.object;
+       }, "q"_a, "k"_a, "v"_a, "out"_a.none(), "threads"_a)
       .def("_absorb", [](L& l, nb::handle k, nb::handle v, int threads) {
          const InArray ka = input(k, "absorb", "k"), va = input(v, "absorb", "v");
          mh_absorb(l, ka, va, threads);

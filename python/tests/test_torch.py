@@ -3,6 +3,7 @@ PyTorch's scaled_dot_product_attention and the library's references, torch.compi
 
 import copy
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -47,6 +48,101 @@ def test_tensors_are_read_and_written_in_place():
     with pytest.raises(TypeError, match="int64"):
         mixer.forward(state, q.long(), k, v)
     assert state.t == T  # the first call only
+
+
+class _Sub(torch.Tensor):
+    """A tensor subclass: read through the tensor's accessors, not the exchange table."""
+
+
+def test_every_kind_of_tensor_is_read_as_its_values_or_refused():
+    # Plain tensors and parameters are read through PyTorch's DLPack exchange table, everything
+    # else through the tensor's accessors: the same values either way, and what neither can
+    # read in place (a lazily negated view, a ZeroTensor, a nested tensor) is refused with the
+    # state left as it was.
+    mixer = ovq.SelfAttention(beta=0.5)
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(T, D, generator=g) for _ in range(3))
+    expected = mixer.forward(mixer.make_state(D, D), q.numpy(), k.numpy(), v.numpy())
+    wide = torch.randn(3, T, D, generator=g)
+    wide[1] = q  # a view with a storage offset
+    with torch.inference_mode():
+        q_inference = q.clone()
+    for name, qx in [("tensor", q), ("offset view", wide[1]), ("parameter", torch.nn.Parameter(q)),
+                     ("subclass", q.as_subclass(_Sub)),
+                     ("requires grad", q.clone().requires_grad_(True)),
+                     ("inference", q_inference)]:
+        got = mixer.forward(mixer.make_state(D, D), qx, k, v)
+        assert isinstance(got, torch.Tensor) and got.dtype == torch.float32, name
+        assert np.array_equal(got.detach().numpy(), expected), name
+
+    # One element: its layout passes for C-contiguous, so only the negation flag tells.
+    tiny = mixer.make_state(1, 1)
+    negated_one = torch.randn(1, 1, dtype=torch.complex64, generator=g).conj().imag
+    assert negated_one.is_neg()
+    with pytest.raises(ValueError, match="lazily negated"):
+        mixer.forward(tiny, negated_one, negated_one.resolve_neg(), negated_one.resolve_neg())
+    assert tiny.t == 0
+    state = mixer.make_state(D, D)
+    z = torch.randn(T, D, dtype=torch.complex64, generator=g)
+    negated = z.conj().imag  # a real tensor whose values are its memory's negation
+    assert negated.is_neg()
+    with pytest.raises(ValueError, match="lazily negated"):
+        mixer.forward(state, negated, k, v)
+    assert np.array_equal(mixer.forward(mixer.make_state(D, D), negated.resolve_neg(), k, v),
+                          mixer.forward(mixer.make_state(D, D), -z.imag.numpy(), k.numpy(),
+                                        v.numpy()))
+    with pytest.raises(ValueError, match="ZeroTensor"):
+        mixer.forward(state, torch._efficientzerotensor((T, D)), k, v)
+    with warnings.catch_warnings():  # (nested tensors warn that they are a prototype)
+        warnings.simplefilter("ignore")
+        nested = torch.nested.as_nested_tensor([q[:5], q[5:12]])
+    with pytest.raises(TypeError, match="nested"):
+        mixer.forward(state, nested, k, v)
+    assert state.t == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_step_outputs_made_by_the_extension(dtype):
+    # A step without out= gets its output from the extension, as the inputs' kind: a tensor
+    # for tensors (every element type), a NumPy array for arrays; the same values as a step
+    # into a given output. Bad inputs are reported before anything is made.
+    mixer = ovq.OVQAttention(capacity=16, chunk=8, beta=0.5)
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(4, 3, D, generator=g).to(dtype) for _ in range(3))
+    layer = ovq.MultiHead(mixer, 4, 6, 3, D, D, dtype=dtype)
+    given = copy.copy(layer)
+    state, given_state = mixer.make_state(D, D, dtype=dtype), mixer.make_state(D, D, dtype=dtype)
+    for t in range(20):
+        qt, kt, vt = (x + t for x in (q, k, v))
+        qh = torch.cat([qt, qt], dim=1)
+        made = layer.step(qh, kt, vt)
+        assert type(made) is torch.Tensor and made.dtype == dtype
+        assert made.shape == (4, 6, D) and made.is_contiguous()
+        out = torch.full((4, 6, D), float("nan"), dtype=dtype)
+        assert given.step(qh, kt, vt, out=out) is out
+        assert torch.equal(made, out)
+        one = mixer.step(state, qt[0, 0], kt[0, 0], vt[0, 0])
+        assert type(one) is torch.Tensor and one.dtype == dtype and one.shape == (D,)
+        out1 = torch.empty(D, dtype=dtype)
+        assert mixer.step(given_state, qt[0, 0], kt[0, 0], vt[0, 0], out=out1) is out1
+        assert torch.equal(one, out1)
+    assert layer.to_bytes() == given.to_bytes()
+    if dtype != torch.bfloat16:
+        name = str(dtype)[6:]
+        arrays = [x.numpy() for x in (torch.cat([q, q], dim=1), k, v)]
+        made = layer.step(*arrays)
+        assert type(made) is np.ndarray and made.dtype == name and made.shape == (4, 6, D)
+        one = mixer.step(state, arrays[0][0, 0], arrays[1][0, 0], arrays[2][0, 0])
+        assert type(one) is np.ndarray and one.dtype == name and one.shape == (D,)
+    before = layer.to_bytes()
+    with pytest.raises(ValueError, match="q has shape"):
+        layer.step(q[0], k, v)
+    with pytest.raises(TypeError, match="k has dtype"):
+        layer.step(torch.cat([q, q], dim=1), k.to(torch.float64 if dtype != torch.float64
+                                                   else torch.float32), v)
+    with pytest.raises(ValueError, match="v has shape"):
+        mixer.step(state, q[0, 0], k[0, 0], v[0])
+    assert layer.to_bytes() == before
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
