@@ -120,7 +120,8 @@ InArray as_input(const A& a) {
   return InArray(a);
 }
 
-// `name` must be a C-contiguous CPU array of `ndim` dimensions (`dims` in messages) and element S.
+// `name` must be a C-contiguous, aligned CPU array of `ndim` dimensions (`dims` in messages) and
+// element S.
 template <class S>
 void check_array(const char* where, const char* name, const InArray& a, std::size_t ndim,
                  const char* dims) {
@@ -147,6 +148,13 @@ void check_array(const char* where, const char* name, const InArray& a, std::siz
                                 .c_str());
     expected *= static_cast<std::int64_t>(a.shape(i));
   }
+  // An element is read only at an address that is a multiple of its alignment; NumPy and torch
+  // can make arrays that start elsewhere (a buffer viewed from an odd byte offset).
+  if (reinterpret_cast<std::uintptr_t>(a.data()) % alignof(S) != 0)
+    throw nb::value_error(str(where, ": ", name, " starts at an address that is not a multiple of ",
+                              alignof(S), " bytes, expected an array aligned to its elements (a "
+                              "copy: numpy.array, or Tensor.clone())")
+                              .c_str());
 }
 
 // The array as rows: its last dimension is the row, every other one stacks rows.

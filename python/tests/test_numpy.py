@@ -258,7 +258,17 @@ BAD = [
     ("v", lambda q, k, v: (q, k, np.where(np.arange(v.size).reshape(v.shape) == 7, np.nan,
                                           v).astype(np.float32)), ValueError, "V"),
     ("q", lambda q, k, v: (q.astype(np.int32), k, v), TypeError, "int32"),
+    ("k", lambda q, k, v: (q, _misaligned(k), v), ValueError, "not a multiple of 4 bytes"),
 ]
+
+
+def _misaligned(a):
+    """The values of `a` in an array that starts one byte past an aligned address."""
+    buffer = bytearray(a.nbytes + 1)
+    b = np.frombuffer(buffer, dtype=a.dtype, count=a.size, offset=1).reshape(a.shape)
+    b[...] = a
+    assert not b.flags.aligned
+    return b
 
 
 @pytest.mark.parametrize("name,bad,error,text", BAD, ids=[b[3] for b in BAD])
@@ -286,6 +296,8 @@ def test_bad_outputs_and_options(rng):
         mixer.forward(state, q, k, vv, out=vv)
     with pytest.raises(ValueError, match="O has"):
         mixer.forward(state, q, k, v, out=np.empty((10, DV + 1), np.float32))
+    with pytest.raises(ValueError, match="out starts at an address"):
+        mixer.forward(state, q, k, v, out=_misaligned(np.empty((10, DV), np.float32)))
     assert state.t == 0
     with pytest.raises(TypeError, match="unexpected keyword argument 'windw'"):
         ovq.SelfAttention(windw=3)

@@ -91,6 +91,11 @@ def test_every_kind_of_tensor_is_read_as_its_values_or_refused():
     assert np.array_equal(mixer.forward(mixer.make_state(D, D), negated.resolve_neg(), k, v),
                           mixer.forward(mixer.make_state(D, D), -z.imag.numpy(), k.numpy(),
                                         v.numpy()))
+    misaligned = torch.frombuffer(bytearray(T * D * 4 + 1), dtype=torch.float32, offset=1,
+                                  count=T * D).reshape(T, D)
+    misaligned.copy_(q)
+    with pytest.raises(ValueError, match="not a multiple of 4 bytes"):
+        mixer.forward(state, misaligned, k, v)
     with pytest.raises(ValueError, match="ZeroTensor"):
         mixer.forward(state, torch._efficientzerotensor((T, D)), k, v)
     with warnings.catch_warnings():  # (nested tensors warn that they are a prototype)
