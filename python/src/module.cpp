@@ -24,6 +24,7 @@
 #include <optional>
 #include <set>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -286,12 +287,15 @@ const TorchTypes* torch_types() {
     types.bf16 = nb::object(mod.attr("bfloat16")).release().ptr();
     types.strided = nb::object(mod.attr("strided")).release().ptr();
     types.empty = nb::object(mod.attr("empty")).release().ptr();
+    types.table = exchange::table_of(nb::object(mod.attr("Tensor")).ptr());
     try {
-      types.parameter = nb::object(mod.attr("nn").attr("Parameter")).release().ptr();
+      nb::object parameter = mod.attr("nn").attr("Parameter");
+      // The table may only see objects of the type it came from, or of one that carries it.
+      if (types.table != nullptr && exchange::table_of(parameter.ptr()) == types.table)
+        types.parameter = parameter.release().ptr();
     } catch (nb::python_error&) {
       types.parameter = nullptr;
     }
-    types.table = exchange::table_of(nb::object(mod.attr("Tensor")).ptr());
     types.tensor = nb::object(mod.attr("Tensor")).release().ptr();
   }
   return &types;
@@ -299,7 +303,10 @@ const TorchTypes* torch_types() {
 
 bool is_torch_tensor(nb::handle h) {
   const TorchTypes* t = torch_types();
-  return t != nullptr && PyObject_IsInstance(h.ptr(), t->tensor) == 1;
+  if (t == nullptr) return false;
+  const int is = PyObject_IsInstance(h.ptr(), t->tensor);
+  if (is < 0) PyErr_Clear();  // (a broken __class__): not a tensor
+  return is == 1;
 }
 
 // str(x), for messages.
@@ -404,6 +411,7 @@ Array torch_array(nb::handle h, const char* where, const char* name) {
   nb::tuple shape, strides;
   try {
     data = PyLong_AsVoidPtr(h.attr("data_ptr")().ptr());
+    if (data == nullptr && PyErr_Occurred()) throw nb::python_error();
     shape = nb::borrow<nb::tuple>(h.attr("shape"));
     strides = nb::borrow<nb::tuple>(h.attr("stride")());
   } catch (nb::python_error&) {
@@ -482,15 +490,23 @@ NewOutput new_output_like(nb::handle like, const std::vector<std::int64_t>& shap
       prototype.dtype = dlpack_dtype<S>();
       prototype.shape = const_cast<std::int64_t*>(shape.data());
       exchange::ManagedTensor* tensor = nullptr;
-      if (t.table->allocate(&prototype, &tensor, nullptr, set_python_error) != 0 ||
-          tensor == nullptr)
+      if (t.table->allocate(&prototype, &tensor, nullptr, set_python_error) != 0)
         throw nb::python_error();
+      if (tensor == nullptr) throw std::runtime_error(str(where, ": PyTorch made no tensor"));
+      // Freed here until the tensor object takes it over.
+      struct Unclaimed {
+        exchange::ManagedTensor* tensor;
+        ~Unclaimed() {
+          if (tensor != nullptr && tensor->deleter != nullptr) tensor->deleter(tensor);
+        }
+      } unclaimed{tensor};
       // Described before the tensor object takes it over (its shape and strides live as long
       // as it does, not necessarily as the DLPack wrapper); `made` keeps the memory alive.
       std::optional<OutArray> array = array_of_dltensor<OutArray>(tensor->tensor, nb::handle());
       void* object = nullptr;
-      if (t.table->to_object(tensor, &object) != 0 || object == nullptr)  // takes the tensor
-        throw nb::python_error();
+      unclaimed.tensor = nullptr;  // to_object takes the tensor, whatever it returns
+      if (t.table->to_object(tensor, &object) != 0) throw nb::python_error();
+      if (object == nullptr) throw std::runtime_error(str(where, ": PyTorch made no tensor"));
       nb::object made = nb::steal(static_cast<PyObject*>(object));
       if (!array) array = output(made, where, "out");
       return {std::move(made), *std::move(array)};
@@ -508,9 +524,11 @@ NewOutput new_output_like(nb::handle like, const std::vector<std::int64_t>& shap
   if constexpr (std::is_same_v<S, bf16>) {
     throw nb::type_error(str(where, ": bfloat16 needs torch tensors: NumPy has no bfloat16").c_str());
   } else {
-    // Kept for the life of the process, like the torch objects above.
-    static PyObject* numpy_empty =
-        nb::object(nb::module_::import_("numpy").attr("empty")).release().ptr();
+    // Kept for the life of the process, like the torch objects above; set under the GIL (a
+    // function-local static's own lock, taken around an import, could deadlock with it).
+    static PyObject* numpy_empty = nullptr;
+    if (numpy_empty == nullptr)
+      numpy_empty = nb::object(nb::module_::import_("numpy").attr("empty")).release().ptr();
     nb::list dims;
     for (std::int64_t n : shape) dims.append(n);
     nb::object made = nb::borrow(numpy_empty)(nb::tuple(dims), "dtype"_a = element_name<S>());
@@ -1590,6 +1608,10 @@ nb::object fit_codebook_py(const InArray& keys, Index size, Index max_iterations
 NB_MODULE(_ovq, m) {
   using namespace ovq::python;
   m.doc() = "ovq's C++ mixers, states and layers; use the ovq package, which wraps this module.";
+  m.def("_torch_exchange_table", [] {
+    const TorchTypes* t = torch_types();
+    return t != nullptr && t->table != nullptr;
+  }, "Whether torch tensors are read through PyTorch's DLPack exchange table (tests).");
   // Objects still referenced when the interpreter exits (a layer in a module-level registry, a
   // state in a global) are freed after this module; that is not a leak worth a warning.
   nb::set_leak_warnings(false);

@@ -59,6 +59,8 @@ def test_every_kind_of_tensor_is_read_as_its_values_or_refused():
     # else through the tensor's accessors: the same values either way, and what neither can
     # read in place (a lazily negated view, a ZeroTensor, a nested tensor) is refused with the
     # state left as it was.
+    assert ovq._ovq._torch_exchange_table() == hasattr(torch.Tensor,
+                                                       "__dlpack_c_exchange_api__")
     mixer = ovq.SelfAttention(beta=0.5)
     g = torch.Generator().manual_seed(11)
     q, k, v = (torch.randn(T, D, generator=g) for _ in range(3))
@@ -247,6 +249,9 @@ def test_backward_raises_a_clear_error(qkv):
         out.sum().backward()
     with torch.no_grad():
         assert not layer(qg, k, v).requires_grad
+    step = layer.step(qg[:, :, 0], k[:, :, 0].contiguous(), v[:, :, 0].contiguous())
+    with pytest.raises(RuntimeError, match="forward only"):
+        step.sum().backward()
 
 
 def test_state_dict_round_trips_the_states(qkv, tmp_path):
