@@ -476,52 +476,55 @@ struct NewOutput {
   OutArray array;
 };
 
+// A new uninitialised C-contiguous tensor of `shape` and element S, from PyTorch's allocator
+// through the exchange table (no Python call).
+template <class S>
+NewOutput table_output(const TorchTypes& t, const std::vector<std::int64_t>& shape,
+                       const char* where) {
+  nb::dlpack::dltensor prototype;
+  prototype.device = {nb::device::cpu::value, 0};
+  prototype.ndim = static_cast<std::int32_t>(shape.size());
+  prototype.dtype = dlpack_dtype<S>();
+  prototype.shape = const_cast<std::int64_t*>(shape.data());
+  exchange::ManagedTensor* tensor = nullptr;
+  if (t.table->allocate(&prototype, &tensor, nullptr, set_python_error) != 0)
+    throw nb::python_error();
+  if (tensor == nullptr) throw std::runtime_error(str(where, ": PyTorch made no tensor"));
+  // Freed here until the tensor object takes it over.
+  struct Unclaimed {
+    exchange::ManagedTensor* tensor;
+    ~Unclaimed() {
+      if (tensor != nullptr && tensor->deleter != nullptr) tensor->deleter(tensor);
+    }
+  } unclaimed{tensor};
+  // Described before the tensor object takes it over (its shape and strides live as long
+  // as it does, not necessarily as the DLPack wrapper); `made` keeps the memory alive.
+  std::optional<OutArray> array = array_of_dltensor<OutArray>(tensor->tensor, nb::handle());
+  void* object = nullptr;
+  unclaimed.tensor = nullptr;  // to_object takes the tensor, whatever it returns
+  if (t.table->to_object(tensor, &object) != 0) throw nb::python_error();
+  if (object == nullptr) throw std::runtime_error(str(where, ": PyTorch made no tensor"));
+  nb::object made = nb::steal(static_cast<PyObject*>(object));
+  if (!array) array = output(made, where, "out");
+  return {std::move(made), *std::move(array)};
+}
+
 // A new uninitialised C-contiguous array of `shape` and element S, of the kind of `like`: a CPU
-// torch tensor for a tensor (through the exchange table: no Python call), else a NumPy array.
+// torch tensor for a tensor (through the exchange table where torch has one, else torch.empty),
+// else a NumPy array.
 template <class S>
 NewOutput new_output_like(nb::handle like, const std::vector<std::int64_t>& shape,
                           const char* where) {
+  nb::object empty, dtype;  // the Python allocator, and its dtype argument
   if (is_torch_tensor(like)) {
     const TorchTypes& t = *torch_types();
-    if (t.table != nullptr) {
-      nb::dlpack::dltensor prototype;
-      prototype.device = {nb::device::cpu::value, 0};
-      prototype.ndim = static_cast<std::int32_t>(shape.size());
-      prototype.dtype = dlpack_dtype<S>();
-      prototype.shape = const_cast<std::int64_t*>(shape.data());
-      exchange::ManagedTensor* tensor = nullptr;
-      if (t.table->allocate(&prototype, &tensor, nullptr, set_python_error) != 0)
-        throw nb::python_error();
-      if (tensor == nullptr) throw std::runtime_error(str(where, ": PyTorch made no tensor"));
-      // Freed here until the tensor object takes it over.
-      struct Unclaimed {
-        exchange::ManagedTensor* tensor;
-        ~Unclaimed() {
-          if (tensor != nullptr && tensor->deleter != nullptr) tensor->deleter(tensor);
-        }
-      } unclaimed{tensor};
-      // Described before the tensor object takes it over (its shape and strides live as long
-      // as it does, not necessarily as the DLPack wrapper); `made` keeps the memory alive.
-      std::optional<OutArray> array = array_of_dltensor<OutArray>(tensor->tensor, nb::handle());
-      void* object = nullptr;
-      unclaimed.tensor = nullptr;  // to_object takes the tensor, whatever it returns
-      if (t.table->to_object(tensor, &object) != 0) throw nb::python_error();
-      if (object == nullptr) throw std::runtime_error(str(where, ": PyTorch made no tensor"));
-      nb::object made = nb::steal(static_cast<PyObject*>(object));
-      if (!array) array = output(made, where, "out");
-      return {std::move(made), *std::move(array)};
-    }
-    PyObject* dtype = std::is_same_v<S, float>    ? t.f32
-                      : std::is_same_v<S, double> ? t.f64
-                      : std::is_same_v<S, fp16>   ? t.f16
-                                                  : t.bf16;
-    nb::list dims;
-    for (std::int64_t n : shape) dims.append(n);
-    nb::object made = nb::borrow(t.empty)(nb::tuple(dims), "dtype"_a = nb::borrow(dtype));
-    OutArray array = output(made, where, "out");
-    return {std::move(made), std::move(array)};
-  }
-  if constexpr (std::is_same_v<S, bf16>) {
+    if (t.table != nullptr) return table_output<S>(t, shape, where);
+    empty = nb::borrow(t.empty);
+    dtype = nb::borrow(std::is_same_v<S, float>    ? t.f32
+                       : std::is_same_v<S, double> ? t.f64
+                       : std::is_same_v<S, fp16>   ? t.f16
+                                                   : t.bf16);
+  } else if constexpr (std::is_same_v<S, bf16>) {
     throw nb::type_error(str(where, ": bfloat16 needs torch tensors: NumPy has no bfloat16").c_str());
   } else {
     // Kept for the life of the process, like the torch objects above; set under the GIL (a
@@ -529,12 +532,14 @@ NewOutput new_output_like(nb::handle like, const std::vector<std::int64_t>& shap
     static PyObject* numpy_empty = nullptr;
     if (numpy_empty == nullptr)
       numpy_empty = nb::object(nb::module_::import_("numpy").attr("empty")).release().ptr();
-    nb::list dims;
-    for (std::int64_t n : shape) dims.append(n);
-    nb::object made = nb::borrow(numpy_empty)(nb::tuple(dims), "dtype"_a = element_name<S>());
-    OutArray array = output(made, where, "out");
-    return {std::move(made), std::move(array)};
+    empty = nb::borrow(numpy_empty);
+    dtype = nb::str(element_name<S>());
   }
+  nb::list dims;
+  for (std::int64_t n : shape) dims.append(n);
+  nb::object made = empty(nb::tuple(dims), "dtype"_a = dtype);
+  OutArray array = output(made, where, "out");
+  return {std::move(made), std::move(array)};
 }
 
 // ---- threads ----
