@@ -10,6 +10,9 @@
 //                                                       rows, dropping its oldest at each step
 //   .../elem:bf16, .../elem:fp16                        16-bit inputs and cache: prefill T = 4096
 //                                                       d = 128 H = 8, decode C = 4k and 64k
+//   .../elem:bf16/arch:amx                              the same bf16 cases on AMX tiles
+//                                                       (arch::amx), where the compiler targets
+//                                                       them and they are not already native
 //
 // Prefill is quadratic: T = 65536 at 8 heads needs 2 * 65536^2 / 2 * 256 * 8 = 4.4 TFLOP, so the
 // longest cases run 2 heads (one per core of a 2-core machine; compare per head and token).
@@ -21,22 +24,29 @@ namespace {
 
 using namespace ovq_bench;
 
-template <class Element = float>
+// "/arch:<name>" for kernels other than the native ones.
+template <class Arch>
+std::string arch_arg() {
+  if constexpr (std::is_same_v<Arch, ovq::arch::native>) return "";
+  return std::string("/arch:") + Arch::kName;
+}
+
+template <class Element = float, class Arch = ovq::arch::native>
 void prefill_case(Index tokens, Index d, Index hq, Index hkv) {
-  using Mixer = ovq::SelfAttention<Element>;
+  using Mixer = ovq::SelfAttention<Element, Arch>;
   add_case(case_name("BM_SelfAttention_prefill", {{"T", tokens}, {"d", d}}, hq, hkv) +
-               element_arg<Element>(),
+               element_arg<Element>() + arch_arg<Arch>(),
            [=](benchmark::State& st) {
              ovq::MultiHead<Mixer> layer(Mixer{}, 1, hq, hkv, d, d);
              run_prefill(st, layer, tokens, flops::self_prefill(tokens, d, d, hq));
            });
 }
 
-template <class Element = float>
+template <class Element = float, class Arch = ovq::arch::native>
 void decode_case(Index ctx, Index d, Index hq, Index hkv) {
-  using Mixer = ovq::SelfAttention<Element>;
+  using Mixer = ovq::SelfAttention<Element, Arch>;
   add_case(case_name("BM_SelfAttention_decode", {{"ctx", ctx}, {"d", d}}, hq, hkv) +
-               element_arg<Element>(),
+               element_arg<Element>() + arch_arg<Arch>(),
            [=](benchmark::State& st) {
              const Mixer mixer{};
              const auto& context = absorbed_context<Mixer>(
@@ -89,6 +99,15 @@ void register_cases() {
     decode_case<ovq::fp16>(ctx, 128, 8, 8);
     decode_case<ovq::bf16>(ctx, 128, 32, 8);
   }
+#if defined(OVQ_ARCH_AMX)
+  if constexpr (!std::is_same_v<ovq::arch::native, ovq::arch::amx>) {
+    prefill_case<ovq::bf16, ovq::arch::amx>(4096, 128, 8, 8);
+    for (Index ctx : {4096, 65536}) {
+      decode_case<ovq::bf16, ovq::arch::amx>(ctx, 128, 8, 8);
+      decode_case<ovq::bf16, ovq::arch::amx>(ctx, 128, 32, 8);
+    }
+  }
+#endif
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 
 #include "ovq/io/state_file.hpp"
 #include "support/catch.hpp"
+#include "support/emulated_amx.hpp"
 #include "support/emulated_avx512.hpp"
 #include "support/fixtures.hpp"
 #include "support/matchers.hpp"
@@ -96,10 +97,12 @@ M feed(Layer& layer, const M& q, const M& k, const M& v, Index hq, Index hkv, In
 const std::vector<std::vector<Index>> kCuts = {{}, {33, 1, 1, 1, 50}, {1, 1, 7, 64, 2}};
 
 // Whether the native kernels of H compute exactly the float kernels on the widened values: all
-// but bf16 on AVX512-BF16, whose scores come from pair dot products (another rounding order).
+// but bf16 on AVX512-BF16 and AMX, whose products come from pair dot products or tiles (another
+// rounding order).
 template <class H>
 constexpr bool native_widens_exactly() {
-  return !(std::is_same_v<H, bf16> && std::is_same_v<arch::native, arch::avx512bf16>);
+  return !(std::is_same_v<H, bf16> && (std::is_same_v<arch::native, arch::avx512bf16> ||
+                                       std::is_same_v<arch::native, arch::amx>));
 }
 
 // The double reference of causal self-attention over one head's widened rows.
@@ -420,6 +423,226 @@ TEST_CASE("bf16 scores by AVX512-BF16 pair dot products: within the bf16 bound, 
 #endif
 }
 #endif
+
+// ---- bf16 reads on AMX tiles ----
+
+// Whether this process runs the hardware's tile kernels.
+bool hardware_tiles() {
+#if defined(OVQ_ARCH_AMX)
+  return kernels::amx::usable();
+#else
+  return false;
+#endif
+}
+
+// The tile kernels' scores against the exact dot products: each 32-feature chunk rounds once
+// (the emulation) or within the hardware's own order, so within `bound` of the sum of the
+// products' magnitudes. And a row's scores are the same bits whatever else its call holds.
+template <class Arch>
+void check_tile_scores(Index bq, Index d, double bound, std::uint64_t seed) {
+  using Ops = kernels::TileOps<bf16, Arch>;
+  constexpr Index kTile = Ops::kKeyTile;
+  INFO(Arch::kName << " bq " << bq << " d " << d);
+  const Inputs<bf16> in = inputs<bf16>(1, 1, std::max(bq, kTile), d, 1, seed);
+  const bf16* keys[kTile];
+  for (Index j = 0; j < kTile; ++j) keys[j] = in.k.data() + ((j * 7) % kTile) * d;
+  const float beta = 0.75f;
+  std::vector<float> s(static_cast<std::size_t>(bq * kTile)), one(kTile);
+  Ops::scores_rows(in.q.data(), d, bq, keys, d, beta, s.data());
+  double worst = 0;
+  bool rows_alone = true;
+  for (Index i = 0; i < bq; ++i) {
+    Ops::scores_rows(in.q.data() + i * d, d, 1, keys, d, beta, one.data());
+    rows_alone = rows_alone && std::memcmp(one.data(), s.data() + i * kTile, sizeof(float) * kTile) == 0;
+    for (Index j = 0; j < kTile; ++j) {
+      double exact = 0, magnitude = 0;
+      for (Index f = 0; f < d; ++f) {
+        const double x = static_cast<double>(in.qf(i, f)) * widen(keys[j][f]);
+        exact += x;
+        magnitude += std::abs(x);
+      }
+      worst = std::max(worst, std::abs(s[i * kTile + j] - beta * exact) / (beta * magnitude));
+    }
+  }
+  CHECK(rows_alone);
+  CHECK(worst < bound);
+}
+
+// acc += bf16(P) V against the same sums in double.
+template <class Arch>
+void check_tile_values(Index bq, Index dv, double bound, std::uint64_t seed) {
+  using Ops = kernels::TileOps<bf16, Arch>;
+  constexpr Index kTile = Ops::kKeyTile;
+  INFO(Arch::kName << " bq " << bq << " dv " << dv);
+  const Inputs<bf16> in = inputs<bf16>(1, 1, kTile, 1, dv, seed);
+  const RowMatrix<float> p = random_matrix<float>(bq, kTile, seed + 5).cwiseAbs();
+  const RowMatrix<float> acc0 = random_matrix<float>(bq, dv, seed + 6);
+  const bf16* values[kTile];
+  for (Index j = 0; j < kTile; ++j) values[j] = in.v.data() + ((j * 5) % kTile) * dv;
+  RowMatrix<float> acc = acc0;
+  Ops::accumulate_tile(p.data(), bq, values, dv, acc.data(), dv, kernels::NoPacing{});
+  double worst = 0;
+  for (Index i = 0; i < bq; ++i) {
+    for (Index c = 0; c < dv; ++c) {
+      double exact = acc0(i, c), magnitude = std::abs(acc0(i, c));
+      for (Index j = 0; j < kTile; ++j) {
+        const double x = static_cast<double>(widen(narrow<bf16>(p(i, j)))) * widen(values[j][c]);
+        exact += x;
+        magnitude += std::abs(x);
+      }
+      worst = std::max(worst, std::abs(acc(i, c) - exact) / magnitude);
+    }
+  }
+  CHECK(worst < bound);
+}
+
+TEST_CASE("AMX tile kernels (emulated everywhere, and the hardware's): scores and P V within a "
+          "rounding per 32-element chunk, a row's scores independent of its call",
+          "[half][arch][amx]") {
+  for (const Index bq : {Index(1), Index(5), Index(16), Index(37)}) {
+    for (const Index d : {Index(7), Index(32), Index(45), Index(128)}) {
+      check_tile_scores<ovq::test::emulated_amx>(bq, d, 1e-6, 300 + static_cast<std::uint64_t>(bq * d));
+      if (hardware_tiles()) {
+#if defined(OVQ_ARCH_AMX)
+        check_tile_scores<arch::amx>(bq, d, 1e-5, 300 + static_cast<std::uint64_t>(bq * d));
+#endif
+      }
+    }
+    for (const Index dv : {Index(3), Index(16), Index(24), Index(128)}) {
+      check_tile_values<ovq::test::emulated_amx>(bq, dv, 1e-6, 500 + static_cast<std::uint64_t>(bq * dv));
+      if (hardware_tiles()) {
+#if defined(OVQ_ARCH_AMX)
+        check_tile_values<arch::amx>(bq, dv, 1e-5, 500 + static_cast<std::uint64_t>(bq * dv));
+#endif
+      }
+    }
+  }
+}
+
+#if defined(OVQ_ARCH_AMX)
+TEST_CASE("AMX operand packing: AVX-512 moves the portable packing's bits", "[half][arch][amx]") {
+  using kernels::amx::Avx512Packing;
+  using kernels::amx::PortablePacking;
+  constexpr Index kTile = 64;
+  for (const Index d : {Index(1), Index(7), Index(32), Index(45), Index(128)}) {
+    INFO("d " << d);
+    const Inputs<bf16> in = inputs<bf16>(1, 1, kTile, d, d, 800 + static_cast<std::uint64_t>(d));
+    const bf16* rows_k[kTile];
+    const bf16* rows_v[kTile];
+    for (Index j = 0; j < kTile; ++j) {
+      rows_k[j] = in.k.data() + ((j * 11) % kTile) * d;
+      rows_v[j] = in.v.data() + ((j * 3) % kTile) * d;
+    }
+    const Index chunks = (d + 31) / 32, blocks = (d + 15) / 16;
+    std::vector<std::uint32_t> a(static_cast<std::size_t>(chunks * kTile * 16), 1), b = a;
+    PortablePacking::keys(rows_k, kTile, d, a.data());
+    Avx512Packing::keys(rows_k, kTile, d, b.data());
+    CHECK(a == b);
+    std::vector<std::uint32_t> va(static_cast<std::size_t>(2 * blocks * 256), 1), vb = va;
+    PortablePacking::values(rows_v, kTile, d, va.data());
+    Avx512Packing::values(rows_v, kTile, d, vb.data());
+    CHECK(va == vb);
+    for (const Index bq : {Index(1), Index(5), Index(16)}) {
+      std::vector<std::uint32_t> qa(static_cast<std::size_t>(chunks * 256), 7), qb = qa;
+      PortablePacking::queries(in.q.data(), d, bq, d, qa.data());
+      Avx512Packing::queries(in.q.data(), d, bq, d, qb.data());
+      CHECK(qa == qb);
+      const RowMatrix<float> block = random_matrix<float>(kTile, 16, 810);
+      std::vector<float> sa(static_cast<std::size_t>(bq * kTile)), sb(sa.size());
+      PortablePacking::scores_from_columns(block.data(), bq, kTile, 0.3f, sa.data());
+      Avx512Packing::scores_from_columns(block.data(), bq, kTile, 0.3f, sb.data());
+      CHECK(sa == sb);
+    }
+  }
+  RowMatrix<float> p = random_matrix<float>(16, 64, 809).cwiseAbs();
+  p(0, 3) = 1e-40f;  // denormal: 0 either way
+  p(1, 5) = 0.0f;
+  for (const Index rows : {Index(1), Index(9), Index(16)}) {
+    std::vector<std::uint16_t> wa(16 * 64, 1), wb = wa;
+    PortablePacking::weights(p.data(), rows, wa.data());
+    Avx512Packing::weights(p.data(), rows, wb.data());
+    CHECK(wa == wb);
+  }
+}
+#endif
+
+// bf16 self-attention on tiles (grouped heads, whole tiles of stacked rows and tails of
+// features and columns): within the bf16 bound of the reference, the same bits however the
+// stream is cut, and the hardware within a rounding of the emulation.
+template <class Arch>
+RowMatrix<bf16> tile_run(const Inputs<bf16>& in, Index hq, Index hkv, Index t, Index window,
+                         const std::vector<Index>& cut) {
+  SelfAttentionOptions opt;
+  opt.beta = 0.4;
+  opt.chunk = 40;
+  opt.window = window;
+  MultiHead<SelfAttention<bf16, Arch>> layer(SelfAttention<bf16, Arch>(opt), 1, hq, hkv,
+                                             in.q.cols(), in.v.cols());
+  return feed(layer, in.q, in.k, in.v, hq, hkv, t, cut);
+}
+
+TEST_CASE("bf16 self-attention on AMX tiles: within the bf16 bound, any cut, the hardware "
+          "within a rounding of its emulation",
+          "[half][arch][amx]") {
+  using Emulated = ovq::test::emulated_amx;
+  const Index hq = 4, hkv = 2, t = 130;
+  for (const auto& [dk, dv] : {std::pair<Index, Index>{70, 24}, std::pair<Index, Index>{64, 32}}) {
+    for (const Index window : {Index(0), Index(50)}) {
+      INFO("dk " << dk << " dv " << dv << " window " << window);
+      const Inputs<bf16> in = inputs<bf16>(hq, hkv, t, dk, dv, 91 + static_cast<std::uint64_t>(dk));
+      const RowMatrix<bf16> whole = tile_run<Emulated>(in, hq, hkv, t, window, {});
+      CHECK(relative_error(widened(whole),
+                           self_reference(in.qf, in.kf, in.vf, hq, hkv, t, 0.4, window)) <
+            half_bound<bf16>());
+      for (const auto& cut : kCuts)
+        CHECK(same_bits(tile_run<Emulated>(in, hq, hkv, t, window, cut), whole));
+#if defined(OVQ_ARCH_AMX)
+      if (hardware_tiles()) {
+        const RowMatrix<bf16> hardware = tile_run<arch::amx>(in, hq, hkv, t, window, {});
+        CHECK(relative_error(widened(hardware), widened(whole)) < 2e-3);
+        for (const auto& cut : kCuts)
+          CHECK(same_bits(tile_run<arch::amx>(in, hq, hkv, t, window, cut), hardware));
+      }
+#endif
+    }
+  }
+}
+
+// bf16 OVQ-attention on tiles (the assignment's scores and the reads): the same bits however
+// the stream is cut, outputs within the bf16 bound of the float mixer.
+template <class Arch>
+void check_ovq_on_tiles(const Inputs<bf16>& in, Index hq, Index hkv, Index t,
+                        const RowMatrix<float>& of) {
+  INFO(Arch::kName);
+  OvqOptions opt;
+  opt.capacity = 64;
+  opt.chunk = 16;
+  opt.beta = 3.0;
+  RowMatrix<bf16> first;
+  for (const auto& cut : kCuts) {
+    MultiHead<OvqAttention<bf16, Arch>> layer(OvqAttention<bf16, Arch>(opt), 1, hq, hkv,
+                                              in.q.cols(), in.v.cols());
+    const RowMatrix<bf16> o = feed(layer, in.q, in.k, in.v, hq, hkv, t, cut);
+    CHECK(relative_error(widened(o), of) < half_bound<bf16>());
+    if (first.size() == 0) first = o;
+    CHECK(same_bits(o, first));
+  }
+}
+
+TEST_CASE("bf16 OVQ-attention on AMX tiles: any cut, within the bf16 bound", "[half][ovq][amx]") {
+  const Index hq = 4, hkv = 2, t = 200, dk = 40, dv = 32;
+  const Inputs<bf16> in = inputs<bf16>(hq, hkv, t, dk, dv, 29, true);
+  OvqOptions opt;
+  opt.capacity = 64;
+  opt.chunk = 16;
+  opt.beta = 3.0;
+  MultiHead<OvqAttention<float>> f(OvqAttention<float>(opt), 1, hq, hkv, dk, dv);
+  const RowMatrix<float> of = f.forward(in.qf, in.kf, in.vf);
+  check_ovq_on_tiles<ovq::test::emulated_amx>(in, hq, hkv, t, of);
+#if defined(OVQ_ARCH_AMX)
+  if (hardware_tiles()) check_ovq_on_tiles<arch::amx>(in, hq, hkv, t, of);
+#endif
+}
 
 TEMPLATE_TEST_CASE("16-bit inputs are checked like float ones: inf and NaN rejected, the state "
                    "unchanged",

@@ -3,6 +3,8 @@
 //
 //   OVQ_ARCH_AVX512 / OVQ_ARCH_AVX2 / OVQ_ARCH_NEON   what the host compiler targets
 //   OVQ_ARCH_AVX512BF16                               AVX-512 with bf16 dot products (x86)
+//   OVQ_ARCH_AMX                                      and AMX-BF16 tiles (x86, Linux)
+//   OVQ_PREFER_AMX                                    define to make arch::amx the native one
 //   OVQ_ARCH_F16C                                     half-float conversions (x86)
 //   OVQ_DONT_VECTORIZE                                define to force the portable kernels
 //   OVQ_HOST_DEVICE                                   marks math shared by host and CUDA code
@@ -25,6 +27,13 @@
 #define OVQ_ARCH_AVX512 1
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define OVQ_ARCH_AVX512BF16 1
+// Tile registers are handed out by the operating system (Linux: arch_prctl); not through nvcc,
+// whose host pass need not accept the tile instructions.
+// (GCC spells the macros __AMX_TILE__ and __AMX_BF16__, Clang __AMXTILE__ and __AMXBF16__.)
+#if (defined(__AMX_TILE__) || defined(__AMXTILE__)) && \
+    (defined(__AMX_BF16__) || defined(__AMXBF16__)) && defined(__linux__) && !defined(__CUDACC__)
+#define OVQ_ARCH_AMX 1
+#endif
 #endif
 #endif
 #if defined(__AVX2__) && defined(__FMA__)

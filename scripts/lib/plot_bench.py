@@ -371,7 +371,7 @@ def headline(main, scaling, memory):
         return f"; best of {min(a.repetitions, b.repetitions)} interleaved repetitions each"
 
     for ctx, label in ((4096, "4096"), (65536, "64k")):
-        for elem in ("", "/elem:bf16"):
+        for elem in ("", "/elem:bf16", "/elem:bf16/arch:amx"):
             g, h = (r.get(f"BM_SelfAttention_decode/ctx:{ctx}/d:128/{heads}{elem}")
                     for heads in ("Hq:32/Hkv:8", "H:8"))
             if elem and not (g and h):
@@ -381,7 +381,8 @@ def headline(main, scaling, memory):
                 v = g.time_ms / h.time_ms
                 detail = f" ({fmt(g.time_ms)} vs {fmt(h.time_ms)} ms/step{interleaved(g, h)})"
             what = (f"Decode step, self-attention, Hq/Hkv=32/8 vs 8/8 at context {label}"
-                    f"{', bf16 cache' if elem else ''}: time ratio")
+                    f"{', bf16 cache' if elem else ''}"
+                    f"{' on AMX tiles' if 'arch:amx' in elem else ''}: time ratio")
             rows.append((what, fmt(v) + detail, f"<= {TARGETS['gqa_decode']}",
                          verdict(v, TARGETS["gqa_decode"], "<=")))
 
@@ -514,10 +515,16 @@ def limits_rows(main, peers):
                 "bf16_vs_fp32_prefill")
     speedup_row("bf16 causal prefill, same shape: PyTorch SDPA bf16 time / ours",
                 torch(prefill + "/elem:bf16"), ours(prefill + "/elem:bf16"), "bf16_vs_torch")
+    amx = "/elem:bf16/arch:amx"  # arch::amx where it is not the native kernels
+    if r.get(prefill + amx):
+        speedup_row("bf16 causal prefill on AMX tiles (arch::amx): speedup over our fp32",
+                    ours(prefill, "fp32"), ours(prefill + amx, "amx"), "bf16_vs_fp32_prefill")
+        speedup_row("bf16 causal prefill on AMX tiles: PyTorch SDPA bf16 time / ours",
+                    torch(prefill + "/elem:bf16"), ours(prefill + amx), "bf16_vs_torch")
     decode = "BM_SelfAttention_decode/ctx:65536/d:128/H:8"
     counter_row("Decode step, self-attention, context 64k, H=8, fp32: frac_bandwidth", decode,
                 "frac_bandwidth", "decode_frac_bandwidth")
-    for elem in ("bf16", "fp16"):
+    for elem in ("bf16", "fp16") + (("bf16/arch:amx",) if r.get(decode + amx) else ()):
         speedup_row(f"The same with a {elem} cache: speedup over fp32", ours(decode, "fp32"),
                     ours(f"{decode}/elem:{elem}", elem), "half_vs_fp32_decode")
         counter_row(f"The same with a {elem} cache: frac_bandwidth on its 16-bit bytes",

@@ -246,7 +246,7 @@ class TileReader {
     n_tiles_ = (n_pos_ + positions_per_tile_ - 1) / positions_per_tile_;
     // Buffers sized for the rows a tile really holds: a decode step stacks `heads` rows, not 64.
     tile_rows_ = std::min(positions_per_tile_, n_pos_) * heads;
-    axis_.prefetch = tile_rows_ >= kPrefetchMinRows && tile_rows_ <= kPrefetchMaxRows &&
+    axis_.prefetch = tile_rows_ >= prefetch_min_rows_v<Ops> && tile_rows_ <= kPrefetchMaxRows &&
                      static_cast<double>(memory.keys.rows) * static_cast<double>(dk_ + dv_) *
                              sizeof(Element) >= kPrefetchMinBytes;
   }
@@ -300,6 +300,7 @@ class TileReader {
     const Index bq = tile_rows(tile);
     buf.clear_state(bq, dv_);
     const Index p0 = tile_position(tile);
+    [[maybe_unused]] const TileSession<Ops> session;
     for (Index t = first; t <= last; ++t) {
       if (axis_.prefetch) {
         fold_key_tile<Element, Ops>(axis_, t, p0, heads_, bq, dk_, dv_, beta_, buf,

@@ -4,6 +4,7 @@
 // pacing hook). Used by grouped-query decode steps over a long memory (KeyAxis::prefetch).
 // A hint only: no fault, no effect on any result.
 #include <cstdint>
+#include <type_traits>
 
 #include "ovq/core/views.hpp"
 #include "ovq/kernels/read_contract.hpp"
@@ -16,6 +17,14 @@ namespace ovq::kernels::read_detail {
 inline constexpr Index kPrefetchMinRows = 2;
 inline constexpr Index kPrefetchMaxRows = 8;
 inline constexpr double kPrefetchMinBytes = 2.0 * 1024.0 * 1024.0;
+
+// The fewest stacked rows whose decode prefetches: Ops::kPrefetchMinRows where the kernels set
+// it, kPrefetchMinRows otherwise.
+template <class Ops, class = void>
+inline constexpr Index prefetch_min_rows_v = kPrefetchMinRows;
+template <class Ops>
+inline constexpr Index prefetch_min_rows_v<Ops, std::void_t<decltype(Ops::kPrefetchMinRows)>> =
+    Ops::kPrefetchMinRows;
 
 // Asks for one cache line (a hint: no fault, no effect on any result).
 struct CachePrefetch {

@@ -56,6 +56,13 @@ struct NoPacing {
   void advance(Index /*flops*/) const {}
 };
 
+// A scope whose kernel calls share their set-up: Ops::Session where the kernels have one (AMX:
+// the tile configuration, loaded once for the scope), nothing otherwise.
+template <class Ops, class = void>
+struct TileSession {};
+template <class Ops>
+struct TileSession<Ops, std::void_t<typename Ops::Session>> : Ops::Session {};
+
 // a * b + c, rounded the same way in every compiled copy of a kernel: one fused operation where
 // the target has FMA, two roundings where it has none. Left to the compiler, GCC's default
 // -ffp-contract=fast may fuse one inlined copy and not another, and then a query read in a
@@ -1101,3 +1108,6 @@ struct TileOps<fp16, arch::avx2> : simd::SimdTileOps<simd::F32x8, fp16> {};
 #endif
 
 }  // namespace ovq::kernels
+
+// AMX tiles for bf16 reads (arch::amx), and the tile kernels the tests emulate everywhere.
+#include "ovq/kernels/arch/amx.hpp"
