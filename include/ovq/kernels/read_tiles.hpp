@@ -15,7 +15,7 @@
 // Shapes: q[h] (Tq x dk), Km (Nm x dk), Vm (Nm x dv), bias (Nm), Kl (Nl x dk), Vl (Nl x dv),
 // o[h] (Tq x dv). Cost: 2 heads Tq (Nm' + Nl') (dk + dv) flops, Nm' and Nl' the visible rows
 // (the causal half only: tiles no query of a tile sees are skipped). Keys and values are read in
-// place (TileOps::scores_rows), nothing is packed.
+// place (TileOps::scores_rows), nothing is packed (but for AMX tiles, packs_keys_v below).
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -95,6 +95,14 @@ void tile_values(const KeyAxis<Element>& axis, Index tile, const Element* values
     if (values[j] == nullptr) values[j] = any;
 }
 
+// Kernels whose score operand is packed (AMX tiles): a read of several query tiles packs every
+// key tile once (Ops::pack_keys) and scores from the packed copy (Ops::scores_rows_packed, the
+// same bits as Ops::scores_rows).
+template <class Ops, class = void>
+inline constexpr bool packs_keys_v = false;
+template <class Ops>
+inline constexpr bool packs_keys_v<Ops, std::void_t<decltype(&Ops::packs_keys)>> = true;
+
 // Per-thread tile state. Query: what the micro-kernels take the stacked queries in
 // (TileOps::Query; a 16-bit query is widened here once instead of once per key).
 template <class Element, class Query>
@@ -132,10 +140,12 @@ struct TileBuffers {
 //
 // Pacing: StreamPacing where axis.prefetch is set (the tile streams the next one), else
 // NoPacing.
+// packed: the tile's keys packed by Ops::pack_keys, or null.
 template <class Element, class Ops, class Pacing>
 void fold_key_tile(const KeyAxis<Element>& axis, Index tile, Index p0, Index heads, Index bq,
                    Index dk, Index dv, compute_t<Element> beta,
-                   TileBuffers<Element, typename Ops::Query>& buf, Pacing pacing) {
+                   TileBuffers<Element, typename Ops::Query>& buf, Pacing pacing,
+                   const std::uint32_t* packed) {
   using Compute = compute_t<Element>;
   constexpr bool kStream = std::is_same_v<Pacing, StreamPacing<Element>>;
   constexpr Index kTile = Ops::kKeyTile;
@@ -153,7 +163,15 @@ void fold_key_tile(const KeyAxis<Element>& axis, Index tile, Index p0, Index hea
     pacing.stream->start(axis.memory, next_lo, next_hi,
                          2 * bq * (kTile * dk + (mem_hi - mem_lo) * dv));
   }
-  Ops::scores_rows(buf.q.data(), dk, bq, keys, dk, beta, s, pacing);
+  if constexpr (packs_keys_v<Ops>) {
+    if (packed != nullptr) {
+      Ops::scores_rows_packed(buf.q.data(), dk, bq, keys, packed, dk, beta, s, pacing);
+    } else {
+      Ops::scores_rows(buf.q.data(), dk, bq, keys, dk, beta, s, pacing);
+    }
+  } else {
+    Ops::scores_rows(buf.q.data(), dk, bq, keys, dk, beta, s, pacing);
+  }
   // The softmax of the tile in three passes over its rows, each row's steps in order: a row's
   // steps form one long dependency chain (maximum, exponentials, sums), and rows are
   // independent, so a pass lets the processor overlap the chains of several rows.
@@ -249,6 +267,18 @@ class TileReader {
     axis_.prefetch = tile_rows_ >= prefetch_min_rows_v<Ops> && tile_rows_ <= kPrefetchMaxRows &&
                      static_cast<double>(memory.keys.rows) * static_cast<double>(dk_ + dv_) *
                              sizeof(Element) >= kPrefetchMinBytes;
+    if constexpr (packs_keys_v<Ops>) {
+      if (n_tiles_ > 1 && axis_.end() > axis_.pad && Ops::packs_keys()) {
+        packed_words_ = Ops::packed_key_words(dk_);
+        const Index tiles = (axis_.end() + kTile - 1) / kTile;
+        packed_keys_.resize(static_cast<std::size_t>(tiles * packed_words_));
+        for (Index t = axis_.pad / kTile; t < tiles; ++t) {
+          const Element* keys[kTile];
+          tile_keys<Element, kTile>(axis_, t, keys);
+          Ops::pack_keys(keys, dk_, packed_keys_.data() + t * packed_words_);
+        }
+      }
+    }
   }
 
   void run() const {
@@ -302,11 +332,14 @@ class TileReader {
     const Index p0 = tile_position(tile);
     [[maybe_unused]] const TileSession<Ops> session;
     for (Index t = first; t <= last; ++t) {
+      const std::uint32_t* packed =
+          packed_keys_.empty() ? nullptr : packed_keys_.data() + t * packed_words_;
       if (axis_.prefetch) {
         fold_key_tile<Element, Ops>(axis_, t, p0, heads_, bq, dk_, dv_, beta_, buf,
-                                   StreamPacing<Element>{&buf.stream});
+                                   StreamPacing<Element>{&buf.stream}, packed);
       } else {
-        fold_key_tile<Element, Ops>(axis_, t, p0, heads_, bq, dk_, dv_, beta_, buf, NoPacing{});
+        fold_key_tile<Element, Ops>(axis_, t, p0, heads_, bq, dk_, dv_, beta_, buf, NoPacing{},
+                                   packed);
       }
     }
   }
@@ -424,6 +457,8 @@ class TileReader {
   Compute beta_;
   KeyAxis<Element> axis_;
   Index positions_per_tile_ = 1, n_tiles_ = 0, tile_rows_ = 0;
+  AlignedVector<std::uint32_t> packed_keys_;  // Ops::pack_keys of every key tile, or empty
+  Index packed_words_ = 0;                     // words per packed tile
 };
 
 }  // namespace read_detail

@@ -17,9 +17,9 @@
 //           32-bit pairs, packed per call).
 //           Up to 16 rows (a decode step): C (16 keys x 16 rows) = A (the key rows as they are)
 //           . B (the queries transposed in pairs). The same products, so the same bits.
-//   P V     C (16 rows x 16 value columns, from zero) = A (16 rows x 32 slots: the weights
-//           rounded to bf16, as on AVX512-BF16) . B (16 slot pairs x 16 columns: value rows
-//           interleaved in pairs, packed per call); then acc += C, in float.
+//   P V     C (16 rows x 16 value columns: the accumulator) += A (16 rows x 32 slots: the
+//           weights rounded to bf16, as on AVX512-BF16) . B (16 slot pairs x 16 columns: value
+//           rows interleaved in pairs, packed per call).
 // A tail of features or columns is zero-padded; rows past bq reach only entries never read.
 // Shapes as TileOps (tile_ops.hpp): q (bq x d), keys[kKeyTile] (d each), p (bq x kKeyTile),
 // v[kKeyTile] (dv each), acc (bq x dv). Cost: 2 bq kKeyTile (d + dv) flops on the tile unit,
@@ -140,7 +140,6 @@ struct HardwareTiles {
 //            d (columns past bq untouched).
 //   scores_from_columns  S^T tiles (key j's scores in block[j 16 .. j 16 + 16)) -> s (bq x
 //            key_tile), times beta.
-//   add_rows acc[r][c] += x[r][c], r < rows, c < n.
 //   weights  p (rows x 64 floats) -> out (16 x 64 bf16): rounded to nearest even, denormals
 //            to 0 (the tiles read a denormal bf16 as 0 anyway), rows past `rows` zero.
 struct PortablePacking {
@@ -192,11 +191,6 @@ struct PortablePacking {
                                   float* s) {
     for (Index i = 0; i < bq; ++i)
       for (Index j = 0; j < key_tile; ++j) s[i * key_tile + j] = block[j * kTileRows + i] * beta;
-  }
-  static void add_rows(const float* x, Index x_stride, Index rows, Index n, float* acc,
-                       Index acc_stride) {
-    for (Index r = 0; r < rows; ++r)
-      for (Index c = 0; c < n; ++c) acc[r * acc_stride + c] += x[r * x_stride + c];
   }
   static void weights(const float* p, Index rows, std::uint16_t* out) {
     constexpr Index kSlots = 2 * kChunk;
@@ -297,17 +291,6 @@ struct Avx512Packing {
       }
     }
   }
-  static void add_rows(const float* x, Index x_stride, Index rows, Index n, float* acc,
-                       Index acc_stride) {
-    for (Index r = 0; r < rows; ++r) {
-      for (Index c = 0; c < n; c += 16) {
-        const __mmask16 mask = n - c >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - c)) - 1);
-        float* a = acc + r * acc_stride + c;
-        _mm512_mask_storeu_ps(a, mask, _mm512_add_ps(_mm512_maskz_loadu_ps(mask, a),
-                                                     _mm512_maskz_loadu_ps(mask, x + r * x_stride + c)));
-      }
-    }
-  }
   // Row i of s, 16 keys at a time: one gather down column i of a tile.
   static void scores_from_columns(const float* block, Index bq, Index key_tile, float beta,
                                   float* s) {
@@ -355,7 +338,7 @@ struct TileOps : Base {
     AlignedVector<std::uint32_t> queries;       // queries transposed in pairs (few rows)
     AlignedVector<std::uint16_t> rows;          // zero-padded query rows, or bf16 weights
     AlignedVector<bf16> key_rows;               // zero-padded key rows (few rows)
-    AlignedVector<float> pv;                    // a row group's P V, 16 rows x whole blocks
+    AlignedVector<float> acc_rows;              // accumulator rows, 16 x whole blocks
     alignas(64) float block[kTileRows * kKeyTile];  // scores or accumulator rows past bq
   };
   static Scratch& scratch() {
@@ -369,11 +352,35 @@ struct TileOps : Base {
                           float beta, float* s, Pacing pacing = {}) {
     static_assert(std::is_same_v<Q, bf16>, "tile products take their queries in bf16");
     if (bq <= kTileRows) return scores_few_rows(q, q_stride, bq, keys, d, beta, s, pacing);
+    Scratch& w = scratch();
+    w.keys.resize(static_cast<std::size_t>(packed_key_words(d)));
+    Packing::keys(keys, kKeyTile, d, w.keys.data());
+    scores_many_rows(q, q_stride, bq, w.keys.data(), d, beta, s, pacing);
+  }
+
+  // A read of many query tiles packs each key tile once (read_tiles.hpp): the words of one
+  // packed tile, the packing, and the scores from it (the same bits as scores_rows).
+  static bool packs_keys() { return true; }
+  static Index packed_key_words(Index d) {
+    return (d + kChunk - 1) / kChunk * kGroups * kTileWords;
+  }
+  static void pack_keys(const bf16* const* keys, Index d, std::uint32_t* out) {
+    Packing::keys(keys, kKeyTile, d, out);
+  }
+  template <class Pacing = NoPacing>
+  static void scores_rows_packed(const bf16* q, Index q_stride, Index bq, const bf16* const* keys,
+                                 const std::uint32_t* packed, Index d, float beta, float* s,
+                                 Pacing pacing = {}) {
+    if (bq <= kTileRows) return scores_few_rows(q, q_stride, bq, keys, d, beta, s, pacing);
+    scores_many_rows(q, q_stride, bq, packed, d, beta, s, pacing);
+  }
+
+  // More than 16 rows: query rows (A, in place where whole) against packed keys (B).
+  template <class Pacing>
+  static void scores_many_rows(const bf16* q, Index q_stride, Index bq, const std::uint32_t* kt,
+                               Index d, float beta, float* s, Pacing pacing) {
     const Index chunks = (d + kChunk - 1) / kChunk;
     Scratch& w = scratch();
-    w.keys.resize(static_cast<std::size_t>(chunks * kGroups * kTileRows * kPairs));
-    Packing::keys(keys, kKeyTile, d, w.keys.data());
-    const std::uint32_t* kt = w.keys.data();
     constexpr Index kGroupWords = kTileRows * kPairs;
     constexpr Index kScoreStride = kKeyTile * static_cast<Index>(sizeof(float));
     Tiles::begin();
@@ -501,20 +508,28 @@ struct TileOps : Base {
       Packing::weights(p + i0 * kKeyTile, rows, weights);
       Tiles::template load<4>(weights, kWeightStride);
       Tiles::template load<5>(weights + kChunk, kWeightStride);
-      // P V of the row group into fresh tiles, stored 16 rows x whole blocks wide, then added to
-      // the accumulator by vector code: the accumulator, just rescaled by vector code, is never
-      // loaded as a tile (a tile load waits for the stores before it to complete).
-      const Index width = blocks * kTileRows;
-      w.pv.resize(static_cast<std::size_t>(kTileRows * width));
-      float* pv = w.pv.data();
-      const Index row_bytes = width * static_cast<Index>(sizeof(float));
+      // The accumulator rows in place, or a copy of them 16 rows x whole blocks wide: its rows
+      // past bq and columns past dv hold what an earlier call left there, and only reach
+      // entries that are never copied back (weights past bq are 0, values past dv are 0).
+      const bool direct = rows == kTileRows && dv % kTileRows == 0;
+      float* c = acc + i0 * acc_stride;
+      Index stride = acc_stride;
+      if (!direct) {
+        stride = blocks * kTileRows;
+        w.acc_rows.resize(static_cast<std::size_t>(kTileRows * stride));
+        for (Index r = 0; r < rows; ++r)
+          std::copy(acc + (i0 + r) * acc_stride, acc + (i0 + r) * acc_stride + dv,
+                    w.acc_rows.data() + r * stride);
+        c = w.acc_rows.data();
+      }
+      const Index row_bytes = stride * static_cast<Index>(sizeof(float));
       Index b = 0;
       for (; b + 4 <= blocks; b += 4) {  // four accumulators in flight
         pacing.advance(2 * rows * kKeyTile * 4 * kTileRows);
-        Tiles::template zero<0>();
-        Tiles::template zero<1>();
-        Tiles::template zero<2>();
-        Tiles::template zero<3>();
+        Tiles::template load<0>(c + b * kTileRows, row_bytes);
+        Tiles::template load<1>(c + (b + 1) * kTileRows, row_bytes);
+        Tiles::template load<2>(c + (b + 2) * kTileRows, row_bytes);
+        Tiles::template load<3>(c + (b + 3) * kTileRows, row_bytes);
         // Slots 0-31 of the four blocks, then slots 32-63: consecutive products go to different
         // accumulators, and a B tile is reloaded two products after its last use.
         const std::uint32_t* low = vt + b * kTileWords;
@@ -535,21 +550,23 @@ struct TileOps : Base {
         Tiles::template dot<2, 5, 6>();
         Tiles::template load<7>(high + 3 * kTileWords, kTileBytes);
         Tiles::template dot<3, 5, 7>();
-        Tiles::template store<0>(pv + b * kTileRows, row_bytes);
-        Tiles::template store<1>(pv + (b + 1) * kTileRows, row_bytes);
-        Tiles::template store<2>(pv + (b + 2) * kTileRows, row_bytes);
-        Tiles::template store<3>(pv + (b + 3) * kTileRows, row_bytes);
+        Tiles::template store<0>(c + b * kTileRows, row_bytes);
+        Tiles::template store<1>(c + (b + 1) * kTileRows, row_bytes);
+        Tiles::template store<2>(c + (b + 2) * kTileRows, row_bytes);
+        Tiles::template store<3>(c + (b + 3) * kTileRows, row_bytes);
       }
       for (; b < blocks; ++b) {
         pacing.advance(2 * rows * kKeyTile * kTileRows);
-        Tiles::template zero<0>();
+        Tiles::template load<0>(c + b * kTileRows, row_bytes);
         Tiles::template load<6>(vt + b * kTileWords, kTileBytes);
         Tiles::template dot<0, 4, 6>();
         Tiles::template load<7>(vt + (blocks + b) * kTileWords, kTileBytes);
         Tiles::template dot<0, 5, 7>();
-        Tiles::template store<0>(pv + b * kTileRows, row_bytes);
+        Tiles::template store<0>(c + b * kTileRows, row_bytes);
       }
-      Packing::add_rows(pv, width, rows, dv, acc + i0 * acc_stride, acc_stride);
+      if (!direct)
+        for (Index r = 0; r < rows; ++r)
+          std::copy(c + r * stride, c + r * stride + dv, acc + (i0 + r) * acc_stride);
     }
     Tiles::end();
   }
@@ -585,6 +602,18 @@ struct TileOps<bf16, arch::amx> : TileOps<bf16, arch::avx512bf16> {
                           float beta, float* s, Pacing pacing = {}) {
     if (amx::usable()) return Tiles::scores_rows(q, q_stride, bq, keys, d, beta, s, pacing);
     Fallback::scores_rows(q, q_stride, bq, keys, d, beta, s, pacing);
+  }
+  // Keys packed once per read (read_tiles.hpp), where the tiles are in use.
+  static bool packs_keys() { return amx::usable(); }
+  static Index packed_key_words(Index d) { return Tiles::packed_key_words(d); }
+  static void pack_keys(const bf16* const* keys, Index d, std::uint32_t* out) {
+    Tiles::pack_keys(keys, d, out);
+  }
+  template <class Pacing = NoPacing>
+  static void scores_rows_packed(const bf16* q, Index q_stride, Index bq, const bf16* const* keys,
+                                 const std::uint32_t* packed, Index d, float beta, float* s,
+                                 Pacing pacing = {}) {
+    Tiles::scores_rows_packed(q, q_stride, bq, keys, packed, d, beta, s, pacing);
   }
   template <class Pacing = NoPacing>
   static void accumulate_tile(const float* p, Index bq, const bf16* const* v, Index dv,
