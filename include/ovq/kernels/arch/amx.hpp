@@ -26,9 +26,10 @@
 // kKeyTile (d + dv) element moves to pack.
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
-#include <limits>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 #include "ovq/core/types.hpp"
@@ -381,7 +382,6 @@ struct TileOps : Base {
                                Index d, float beta, float* s, Pacing pacing) {
     const Index chunks = (d + kChunk - 1) / kChunk;
     Scratch& w = scratch();
-    constexpr Index kGroupWords = kTileRows * kPairs;
     constexpr Index kScoreStride = kKeyTile * static_cast<Index>(sizeof(float));
     Tiles::begin();
     for (Index i0 = 0; i0 < bq; i0 += kTileRows) {
@@ -402,16 +402,8 @@ struct TileOps : Base {
       Tiles::template zero<2>();
       Tiles::template zero<3>();
       for (Index c = 0; c < chunks; ++c) {
-        const std::uint32_t* b = kt + c * kGroups * kGroupWords;
         Tiles::template load<4>(static_cast<const char*>(a) + c * kTileBytes, a_stride);
-        Tiles::template load<5>(b, kTileBytes);
-        Tiles::template dot<0, 4, 5>();
-        Tiles::template load<6>(b + kGroupWords, kTileBytes);
-        Tiles::template dot<1, 4, 6>();
-        Tiles::template load<7>(b + 2 * kGroupWords, kTileBytes);
-        Tiles::template dot<2, 4, 7>();
-        Tiles::template load<5>(b + 3 * kGroupWords, kTileBytes);
-        Tiles::template dot<3, 4, 5>();
+        four_products<4, 5, 6, 7, 5>(kt + c * kGroups * kTileWords);
       }
       float* out = rows == kTileRows ? s + i0 * kKeyTile : w.block;
       Tiles::template store<0>(out, kScoreStride);
@@ -530,26 +522,9 @@ struct TileOps : Base {
         Tiles::template load<1>(c + (b + 1) * kTileRows, row_bytes);
         Tiles::template load<2>(c + (b + 2) * kTileRows, row_bytes);
         Tiles::template load<3>(c + (b + 3) * kTileRows, row_bytes);
-        // Slots 0-31 of the four blocks, then slots 32-63: consecutive products go to different
-        // accumulators, and a B tile is reloaded two products after its last use.
-        const std::uint32_t* low = vt + b * kTileWords;
-        const std::uint32_t* high = vt + (blocks + b) * kTileWords;
-        Tiles::template load<6>(low, kTileBytes);
-        Tiles::template dot<0, 4, 6>();
-        Tiles::template load<7>(low + kTileWords, kTileBytes);
-        Tiles::template dot<1, 4, 7>();
-        Tiles::template load<6>(low + 2 * kTileWords, kTileBytes);
-        Tiles::template dot<2, 4, 6>();
-        Tiles::template load<7>(low + 3 * kTileWords, kTileBytes);
-        Tiles::template dot<3, 4, 7>();
-        Tiles::template load<6>(high, kTileBytes);
-        Tiles::template dot<0, 5, 6>();
-        Tiles::template load<7>(high + kTileWords, kTileBytes);
-        Tiles::template dot<1, 5, 7>();
-        Tiles::template load<6>(high + 2 * kTileWords, kTileBytes);
-        Tiles::template dot<2, 5, 6>();
-        Tiles::template load<7>(high + 3 * kTileWords, kTileBytes);
-        Tiles::template dot<3, 5, 7>();
+        // Slots 0-31 (weights in tile 4) of the four blocks, then slots 32-63 (tile 5).
+        four_products<4, 6, 7, 6, 7>(vt + b * kTileWords);
+        four_products<5, 6, 7, 6, 7>(vt + (blocks + b) * kTileWords);
         Tiles::template store<0>(c + b * kTileRows, row_bytes);
         Tiles::template store<1>(c + (b + 1) * kTileRows, row_bytes);
         Tiles::template store<2>(c + (b + 2) * kTileRows, row_bytes);
@@ -569,6 +544,21 @@ struct TileOps : Base {
           std::copy(c + r * stride, c + r * stride + dv, acc + (i0 + r) * acc_stride);
     }
     Tiles::end();
+  }
+
+  // Accumulator tiles 0-3 += tile A . the four B tiles stored one after the other from b, loaded
+  // into tiles X, Y, Z, W in turn: consecutive products go to different accumulators, and a B
+  // tile is reloaded at least two products after its last use.
+  template <int A, int X, int Y, int Z, int W>
+  static void four_products(const std::uint32_t* b) {
+    Tiles::template load<X>(b, kTileBytes);
+    Tiles::template dot<0, A, X>();
+    Tiles::template load<Y>(b + kTileWords, kTileBytes);
+    Tiles::template dot<1, A, Y>();
+    Tiles::template load<Z>(b + 2 * kTileWords, kTileBytes);
+    Tiles::template dot<2, A, Z>();
+    Tiles::template load<W>(b + 3 * kTileWords, kTileBytes);
+    Tiles::template dot<3, A, W>();
   }
 
   // Opens a tile session for the calls of a scope (HardwareTiles::begin).
