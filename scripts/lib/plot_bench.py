@@ -524,11 +524,14 @@ def limits_rows(main, peers):
     decode = "BM_SelfAttention_decode/ctx:65536/d:128/H:8"
     counter_row("Decode step, self-attention, context 64k, H=8, fp32: frac_bandwidth", decode,
                 "frac_bandwidth", "decode_frac_bandwidth")
-    for elem in ("bf16", "fp16") + (("bf16/arch:amx",) if r.get(decode + amx) else ()):
+    caches = [("/elem:bf16", "bf16"), ("/elem:fp16", "fp16")]
+    if r.get(decode + amx):
+        caches.append((amx, "bf16 (AMX tiles)"))
+    for suffix, elem in caches:
         speedup_row(f"The same with a {elem} cache: speedup over fp32", ours(decode, "fp32"),
-                    ours(f"{decode}/elem:{elem}", elem), "half_vs_fp32_decode")
+                    ours(decode + suffix, elem), "half_vs_fp32_decode")
         counter_row(f"The same with a {elem} cache: frac_bandwidth on its 16-bit bytes",
-                    f"{decode}/elem:{elem}", "frac_bandwidth", "decode_frac_bandwidth")
+                    decode + suffix, "frac_bandwidth", "decode_frac_bandwidth")
     ovq_decode = "BM_OVQ_decode_full/ctx:65536/N:2048/d:128/H:8"
     speedup_row("OVQ decode at capacity, context 64k N=2048 d=128 H=8: bf16 dictionary's "
                 "speedup over fp32", ours(ovq_decode, "fp32"),
