@@ -438,14 +438,17 @@ bool hardware_tiles() {
 // The tile kernels' scores against the exact dot products: each 32-feature chunk rounds once
 // (the emulation) or within the hardware's own order, so within `bound` of the sum of the
 // products' magnitudes. And a row's scores are the same bits whatever else its call holds.
+// spacing 0: the key rows in a scrambled order; s > 0: evenly spaced, s d elements apart (the
+// few-rows kernels read those in place when d is a multiple of 32).
 template <class Arch>
-void check_tile_scores(Index bq, Index d, double bound, std::uint64_t seed) {
+void check_tile_scores(Index bq, Index d, Index spacing, double bound, std::uint64_t seed) {
   using Ops = kernels::TileOps<bf16, Arch>;
   constexpr Index kTile = Ops::kKeyTile;
-  INFO(Arch::kName << " bq " << bq << " d " << d);
-  const Inputs<bf16> in = inputs<bf16>(1, 1, std::max(bq, kTile), d, 1, seed);
+  INFO(Arch::kName << " bq " << bq << " d " << d << " spacing " << spacing);
+  const Inputs<bf16> in = inputs<bf16>(1, 1, std::max(bq, kTile) * 2, d, 1, seed);
   const bf16* keys[kTile];
-  for (Index j = 0; j < kTile; ++j) keys[j] = in.k.data() + ((j * 7) % kTile) * d;
+  for (Index j = 0; j < kTile; ++j)
+    keys[j] = in.k.data() + (spacing == 0 ? (j * 7) % kTile : j * spacing) * d;
   const float beta = 0.75f;
   std::vector<float> s(static_cast<std::size_t>(bq * kTile)), one(kTile);
   Ops::scores_rows(in.q.data(), d, bq, keys, d, beta, s.data());
@@ -481,6 +484,13 @@ void check_tile_values(Index bq, Index dv, double bound, std::uint64_t seed) {
   for (Index j = 0; j < kTile; ++j) values[j] = in.v.data() + ((j * 5) % kTile) * dv;
   RowMatrix<float> acc = acc0;
   Ops::accumulate_tile(p.data(), bq, values, dv, acc.data(), dv, kernels::NoPacing{});
+  bool rows_alone = true;  // each row alone gives the same bits
+  for (Index i = 0; i < bq; ++i) {
+    RowMatrix<float> one = acc0.row(i);
+    Ops::accumulate_tile(p.data() + i * kTile, 1, values, dv, one.data(), dv, kernels::NoPacing{});
+    rows_alone = rows_alone && std::memcmp(one.data(), acc.data() + i * dv, sizeof(float) * dv) == 0;
+  }
+  CHECK(rows_alone);
   double worst = 0;
   for (Index i = 0; i < bq; ++i) {
     for (Index c = 0; c < dv; ++c) {
@@ -501,14 +511,17 @@ TEST_CASE("AMX tile kernels (emulated everywhere, and the hardware's): scores an
           "[half][arch][amx]") {
   for (const Index bq : {Index(1), Index(5), Index(16), Index(37)}) {
     for (const Index d : {Index(7), Index(32), Index(45), Index(128)}) {
-      check_tile_scores<ovq::test::emulated_amx>(bq, d, 1e-6, 300 + static_cast<std::uint64_t>(bq * d));
-      if (hardware_tiles()) {
+      for (const Index spacing : {Index(0), Index(1), Index(2)}) {
+        const auto seed = 300 + static_cast<std::uint64_t>(bq * d + spacing);
+        check_tile_scores<ovq::test::emulated_amx>(bq, d, spacing, 1e-6, seed);
+        if (hardware_tiles()) {
 #if defined(OVQ_ARCH_AMX)
-        check_tile_scores<arch::amx>(bq, d, 1e-5, 300 + static_cast<std::uint64_t>(bq * d));
+          check_tile_scores<arch::amx>(bq, d, spacing, 1e-5, seed);
 #endif
+        }
       }
     }
-    for (const Index dv : {Index(3), Index(16), Index(24), Index(128)}) {
+    for (const Index dv : {Index(3), Index(16), Index(24), Index(80), Index(128)}) {
       check_tile_values<ovq::test::emulated_amx>(bq, dv, 1e-6, 500 + static_cast<std::uint64_t>(bq * dv));
       if (hardware_tiles()) {
 #if defined(OVQ_ARCH_AMX)
@@ -586,7 +599,8 @@ TEST_CASE("bf16 self-attention on AMX tiles: within the bf16 bound, any cut, the
           "[half][arch][amx]") {
   using Emulated = ovq::test::emulated_amx;
   const Index hq = 4, hkv = 2, t = 130;
-  for (const auto& [dk, dv] : {std::pair<Index, Index>{70, 24}, std::pair<Index, Index>{64, 32}}) {
+  for (const auto& [dk, dv] : {std::pair<Index, Index>{70, 24}, std::pair<Index, Index>{64, 32},
+                               std::pair<Index, Index>{32, 80}}) {
     for (const Index window : {Index(0), Index(50)}) {
       INFO("dk " << dk << " dv " << dv << " window " << window);
       const Inputs<bf16> in = inputs<bf16>(hq, hkv, t, dk, dv, 91 + static_cast<std::uint64_t>(dk));

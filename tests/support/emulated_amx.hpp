@@ -5,13 +5,17 @@
 // hardware with it.
 //
 // The software dot product adds each entry's 32 products (bf16 inputs, denormals read as 0)
-// in double and rounds the sum with the old value once, to a float (a denormal result becomes
-// 0). The hardware sums in an order of its own: it agrees with this to a rounding, not to the
-// bit.
+// and its old value in double, then rounds to float (a denormal result becomes 0). The hardware
+// sums in an order of its own: it agrees with this to a rounding, not to the bit.
+//
+// The emulated tiles also check how they are used: a tile operation outside a session
+// (begin/end), or a session closed more often than opened, throws std::logic_error, which the
+// hardware would answer with a fault or with tiles of the wrong shape.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <stdexcept>
 
 #include "ovq/kernels/arch/tile_ops.hpp"
 
@@ -36,20 +40,32 @@ struct EmulatedTiles {
     return std::abs(x) < std::numeric_limits<float>::min() ? 0.0f : x;
   }
 
-  static void begin() {}
-  static void end() {}
+  static int& depth() {
+    thread_local int open = 0;
+    return open;
+  }
+  static void begin() { ++depth(); }
+  static void end() {
+    if (--depth() < 0) throw std::logic_error("emulated tiles: a session closed twice");
+  }
+  static void in_session() {
+    if (depth() <= 0) throw std::logic_error("emulated tiles: used outside a session");
+  }
   template <int T>
   static void zero() {
+    in_session();
     std::memset(tile(T).bytes, 0, sizeof(Tile));
   }
   template <int T>
   static void load(const void* p, Index stride_bytes) {
+    in_session();
     for (Index r = 0; r < kRows; ++r)
       std::memcpy(tile(T).bytes + r * kBytes, static_cast<const unsigned char*>(p) + r * stride_bytes,
                   kBytes);
   }
   template <int T>
   static void store(void* p, Index stride_bytes) {
+    in_session();
     for (Index r = 0; r < kRows; ++r)
       std::memcpy(static_cast<unsigned char*>(p) + r * stride_bytes, tile(T).bytes + r * kBytes,
                   kBytes);
@@ -57,6 +73,7 @@ struct EmulatedTiles {
   // C (16 x 16 floats) += A (16 x 16 pairs) . B (16 pairs x 16 columns of pairs).
   template <int C, int A, int B>
   static void dot() {
+    in_session();
     Tile& c = tile(C);
     const Tile& a = tile(A);
     const Tile& b = tile(B);

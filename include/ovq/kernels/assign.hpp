@@ -76,6 +76,7 @@ void assign_nearest(ConstRowsView<Element> x, ConstRowsView<Element> centroids,
   if (n == 0 || x.rows == 0) return;
   AlignedVector<typename Ops::Query> x_rows(static_cast<std::size_t>(kRows * d));
   AlignedVector<Scalar> scores(static_cast<std::size_t>(kRows * kTile));
+  [[maybe_unused]] const TileSession<Ops> session;  // AMX: one tile configuration for all
   for (Index i0 = 0; i0 < x.rows; i0 += kRows) {
     const Index bq = std::min(kRows, x.rows - i0);
     for (Index i = 0; i < bq; ++i)
@@ -109,6 +110,7 @@ void score_row_against(const Element* x, ConstRowsView<Element> rows, compute_t<
   const Index n = rows.rows;
   const Index d = rows.cols;
   alignas(64) Scalar scores[kTile];
+  [[maybe_unused]] const TileSession<Ops> session;
   for (Index j0 = 0; j0 < n; j0 += kTile) {
     const Index bj = std::min(kTile, n - j0);
     // Slots past the last row repeat row j0; their scores are not kept.

@@ -3,8 +3,8 @@
 // query rows and key tiles, on the per-architecture micro-kernels (TileOps).
 //
 // Same bits however the stream was cut: keys (memory rows, then local rows) are tiled on their
-// absolute positions, every score is computed by one micro-kernel whatever the number of
-// queries, and key tiles are folded in merge blocks of kBlockKeys positions whose (o, m, l)
+// absolute positions, every score is computed by the same operations whatever the number of
+// queries (one micro-kernel; on AMX tiles, two layouts of the same products), and key tiles are folded in merge blocks of kBlockKeys positions whose (o, m, l)
 // states are merged in order. So a query's output depends only on the keys it sees, not on the
 // other queries of its call, the number of threads or whether it came through forward() or
 // step().

@@ -8,8 +8,8 @@
 // tile or how many rows the tile holds. So a score is computed from q_i and K[j] alone, 32
 // features at a time in order, whatever the number of query rows: the read's cut invariance
 // (tile_ops.hpp) holds on the hardware. The hardware's rounding of the 32-product sum is not
-// specified; the tests' emulation (tests/support/emulated_amx.hpp) sums exactly and rounds once,
-// which the hardware agrees with to a rounding.
+// specified; the tests' emulation (tests/support/emulated_amx.hpp) adds the products in double
+// and rounds the sum to float, which the hardware agrees with to a rounding.
 //
 // Layouts (tiles of 16 rows x 64 bytes):
 //   scores  more than 16 rows: C (16 query rows x 16 keys) = A (16 rows x 32 features: the
@@ -37,6 +37,7 @@
 #include "ovq/kernels/arch/tile_ops.hpp"
 
 #if defined(OVQ_ARCH_AMX)
+#include <cpuid.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -60,11 +61,16 @@ inline std::uint32_t pair(std::uint16_t even, std::uint16_t odd) {
 }
 
 #if defined(OVQ_ARCH_AMX)
-// Whether this process may use the tile registers: Linux hands them out on request
-// (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA), once for the whole process. Where it refuses,
-// TileOps<bf16, arch::amx> falls back to the AVX512-BF16 kernels for the life of the process.
+// Whether this process may use the tile registers: the CPU has AMX-TILE and AMX-BF16 (CPUID
+// leaf 7: EDX bits 24 and 22; a virtual machine may hide what the compiler was told), and Linux
+// hands the registers out on request (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA), once for
+// the whole process. Otherwise TileOps<bf16, arch::amx> computes with the AVX512-BF16 kernels
+// for the life of the process.
 inline bool usable() {
   static const bool granted = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) == 0) return false;
+    if ((edx >> 24 & 1u) == 0 || (edx >> 22 & 1u) == 0) return false;
     constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
     constexpr long kTileData = 18;               // XFEATURE_XTILEDATA
     return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
@@ -76,7 +82,8 @@ inline bool usable() {
 // (begin/end): the outermost one loads the configuration and releases the tiles at its end, so
 // the configuration is never assumed across code that is not ovq's (another library may load
 // its own in between), and a caller that makes many calls in a row (the read's merge block:
-// read_tiles.hpp, TileSession) loads it once for all of them.
+// read_tiles.hpp, TileSession) loads it once for all of them. The other way round, a caller's
+// own tile state does not survive an ovq call on the same thread: load it again after.
 struct HardwareTiles {
   static int& depth() {
     thread_local int open = 0;
@@ -330,7 +337,8 @@ struct TileOps : Base {
   static constexpr bool kPairedValues = true;
   using Query = bf16;
   // A decode step of a single row prefetches its stream too (read_tiles.hpp): a tile load
-  // waits for all of its 16 rows, so the hardware prefetcher alone leaves it stalled.
+  // waits for all of its 16 rows, so the hardware prefetcher alone leaves it stalled. (So does
+  // the AVX512-BF16 fallback of TileOps<bf16, arch::amx>: the same bits, another pace.)
   static constexpr Index kPrefetchMinRows = 1;
 
   // Per-thread packing space, reused from call to call.
@@ -383,14 +391,15 @@ struct TileOps : Base {
     const Index chunks = (d + kChunk - 1) / kChunk;
     Scratch& w = scratch();
     constexpr Index kScoreStride = kKeyTile * static_cast<Index>(sizeof(float));
-    Tiles::begin();
+    const Index width = chunks * kChunk;
+    w.rows.resize(static_cast<std::size_t>(kTileRows * width));  // before the session: may throw
+    const Session session;
     for (Index i0 = 0; i0 < bq; i0 += kTileRows) {
       const Index rows = std::min(kTileRows, bq - i0);
       const void* a = q + i0 * q_stride;
       Index a_stride = q_stride * static_cast<Index>(sizeof(bf16));
       if (rows < kTileRows || d % kChunk != 0) {  // a zero-padded copy of the rows
-        const Index width = chunks * kChunk;
-        w.rows.assign(static_cast<std::size_t>(kTileRows * width), 0);
+        std::fill(w.rows.begin(), w.rows.end(), std::uint16_t(0));
         for (Index r = 0; r < rows; ++r)
           for (Index f = 0; f < d; ++f) w.rows[r * width + f] = bits(q[(i0 + r) * q_stride + f]);
         a = w.rows.data();
@@ -413,7 +422,6 @@ struct TileOps : Base {
       if (out != s + i0 * kKeyTile) std::copy(out, out + rows * kKeyTile, s + i0 * kKeyTile);
       Base::scale(s + i0 * kKeyTile, rows * kKeyTile, beta);  // one rounding each, as dot * beta
     }
-    Tiles::end();
   }
 
   // Up to 16 rows (a decode step): the roles swap. The key rows are the A operand, read in
@@ -436,12 +444,15 @@ struct TileOps : Base {
     Index stride_bytes[kGroups];
     for (Index g = 0; g < kGroups; ++g) {
       const bf16* const* group = keys + g * kTileRows;
-      const std::ptrdiff_t step = group[1] - group[0];
+      // Evenly spaced, compared as addresses (the rows may lie in different arrays).
+      const auto address = [&](Index j) { return reinterpret_cast<std::uintptr_t>(group[j]); };
+      const std::uintptr_t step = address(1) - address(0);  // modulo 2^N: any spacing
       bool even = d % kChunk == 0;
-      for (Index j = 2; j < kTileRows && even; ++j) even = group[j] == group[0] + j * step;
+      for (Index j = 2; j < kTileRows && even; ++j)
+        even = address(j) == address(0) + static_cast<std::uintptr_t>(j) * step;
       if (even) {
         base[g] = group[0];
-        stride_bytes[g] = static_cast<Index>(step) * static_cast<Index>(sizeof(bf16));
+        stride_bytes[g] = static_cast<Index>(static_cast<std::intptr_t>(step));
         continue;
       }
       w.key_rows.resize(static_cast<std::size_t>(kGroups * kTileRows * width));
@@ -453,14 +464,26 @@ struct TileOps : Base {
       base[g] = copy;
       stride_bytes[g] = width * static_cast<Index>(sizeof(bf16));
     }
-    Tiles::begin();
+    {
+      const Session session;
+      few_rows_products(w.queries.data(), base, stride_bytes, chunks, bq, d, pacing);
+    }
+    Packing::scores_from_columns(w.block, bq, kKeyTile, beta, s);
+  }
+
+  // The tile part of scores_few_rows: S^T into w.block.
+  template <class Pacing>
+  static void few_rows_products(const std::uint32_t* queries, const bf16* const* base,
+                                const Index* stride_bytes, Index chunks, Index bq, Index d,
+                                Pacing pacing) {
+    Scratch& w = scratch();
     Tiles::template zero<0>();
     Tiles::template zero<1>();
     Tiles::template zero<2>();
     Tiles::template zero<3>();
     for (Index c = 0; c < chunks; ++c) {
       pacing.advance(2 * bq * kKeyTile * std::min(kChunk, d - c * kChunk));
-      Tiles::template load<4>(w.queries.data() + c * kTileWords, kTileBytes);
+      Tiles::template load<4>(queries + c * kTileWords, kTileBytes);
       Tiles::template load<5>(base[0] + c * kChunk, stride_bytes[0]);
       Tiles::template dot<0, 5, 4>();
       Tiles::template load<6>(base[1] + c * kChunk, stride_bytes[1]);
@@ -475,8 +498,6 @@ struct TileOps : Base {
     Tiles::template store<1>(w.block + kTileWords, kBlockStride);
     Tiles::template store<2>(w.block + 2 * kTileWords, kBlockStride);
     Tiles::template store<3>(w.block + 3 * kTileWords, kBlockStride);
-    Tiles::end();
-    Packing::scores_from_columns(w.block, bq, kKeyTile, beta, s);
   }
 
   // acc[i][:] += sum_j bf16(P[i][j]) V[j][:] over the tile's kKeyTile slots (an empty slot's
@@ -494,7 +515,9 @@ struct TileOps : Base {
     w.rows.resize(static_cast<std::size_t>(kTileRows * kKeyTile));
     std::uint16_t* weights = w.rows.data();
     constexpr Index kWeightStride = kKeyTile * static_cast<Index>(sizeof(std::uint16_t));
-    Tiles::begin();
+    if (bq % kTileRows != 0 || dv % kTileRows != 0)  // before the session: may throw
+      w.acc_rows.resize(static_cast<std::size_t>(kTileRows * blocks * kTileRows));
+    const Session session;
     for (Index i0 = 0; i0 < bq; i0 += kTileRows) {
       const Index rows = std::min(kTileRows, bq - i0);
       Packing::weights(p + i0 * kKeyTile, rows, weights);
@@ -508,7 +531,6 @@ struct TileOps : Base {
       Index stride = acc_stride;
       if (!direct) {
         stride = blocks * kTileRows;
-        w.acc_rows.resize(static_cast<std::size_t>(kTileRows * stride));
         for (Index r = 0; r < rows; ++r)
           std::copy(acc + (i0 + r) * acc_stride, acc + (i0 + r) * acc_stride + dv,
                     w.acc_rows.data() + r * stride);
@@ -543,7 +565,6 @@ struct TileOps : Base {
         for (Index r = 0; r < rows; ++r)
           std::copy(c + r * stride, c + r * stride + dv, acc + (i0 + r) * acc_stride);
     }
-    Tiles::end();
   }
 
   // Accumulator tiles 0-3 += tile A . the four B tiles stored one after the other from b, loaded
@@ -603,7 +624,9 @@ struct TileOps<bf16, arch::amx> : TileOps<bf16, arch::avx512bf16> {
   static void scores_rows_packed(const bf16* q, Index q_stride, Index bq, const bf16* const* keys,
                                  const std::uint32_t* packed, Index d, float beta, float* s,
                                  Pacing pacing = {}) {
-    Tiles::scores_rows_packed(q, q_stride, bq, keys, packed, d, beta, s, pacing);
+    if (amx::usable())
+      return Tiles::scores_rows_packed(q, q_stride, bq, keys, packed, d, beta, s, pacing);
+    Fallback::scores_rows(q, q_stride, bq, keys, d, beta, s, pacing);
   }
   template <class Pacing = NoPacing>
   static void accumulate_tile(const float* p, Index bq, const bf16* const* v, Index dv,

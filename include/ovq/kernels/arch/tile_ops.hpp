@@ -20,7 +20,9 @@
 // how the stream was cut into calls. Portable: one chain over the features in order. SIMD: W
 // lanes, lane l summing the features k = l (mod W) in order (fused), the lanes then added by one
 // fixed tree. The key rows are read in place: a decode step scores each key once, so there is
-// nothing to gain from packing them first. scores_packed is one chain per score in feature order
+// nothing to gain from packing them first. (AMX tiles, amx.hpp, are the exception: two operand
+// layouts, for few rows and for many, that give each score the same products and so the same
+// bits, and keys packed once per read of many rows.) scores_packed is one chain per score in feature order
 // (bitwise the portable scores_rows).
 // scores_rows takes its queries in TileOps::Query (float for every kernel that widens its
 // operands before multiplying, so the read widens a 16-bit query once per tile) or in the element.
