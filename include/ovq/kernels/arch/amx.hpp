@@ -442,6 +442,7 @@ struct TileOps : Base {
     const Index width = chunks * kChunk;
     const bf16* base[kGroups];
     Index stride_bytes[kGroups];
+    w.key_rows.resize(static_cast<std::size_t>(kGroups * kTileRows * width));
     for (Index g = 0; g < kGroups; ++g) {
       const bf16* const* group = keys + g * kTileRows;
       // Evenly spaced, compared as addresses (the rows may lie in different arrays).
@@ -455,7 +456,6 @@ struct TileOps : Base {
         stride_bytes[g] = static_cast<Index>(static_cast<std::intptr_t>(step));
         continue;
       }
-      w.key_rows.resize(static_cast<std::size_t>(kGroups * kTileRows * width));
       bf16* copy = w.key_rows.data() + g * kTileRows * width;
       for (Index j = 0; j < kTileRows; ++j) {
         std::copy(group[j], group[j] + d, copy + j * width);
