@@ -392,6 +392,19 @@ TEMPLATE_TEST_CASE("16-bit score kernels: a query held widened scores the same b
 #endif
 }
 
+// bf16 self-attention (beta 0.4, chunks of 40) on the kernels of Arch, fed in pieces.
+template <class Arch>
+RowMatrix<bf16> bf16_self_run(const Inputs<bf16>& in, Index hq, Index hkv, Index t, Index window,
+                              const std::vector<Index>& cut) {
+  SelfAttentionOptions opt;
+  opt.beta = 0.4;
+  opt.chunk = 40;
+  opt.window = window;
+  MultiHead<SelfAttention<bf16, Arch>> layer(SelfAttention<bf16, Arch>(opt), 1, hq, hkv,
+                                             in.q.cols(), in.v.cols());
+  return feed(layer, in.q, in.k, in.v, hq, hkv, t, cut);
+}
+
 #if defined(OVQ_ARCH_AVX2)
 // bf16 self-attention with the pair dot products of AVX512-BF16 (emulated, and the hardware's
 // where the CPU has them): within the bf16 bound of the reference, the same bits however the
@@ -399,12 +412,7 @@ TEMPLATE_TEST_CASE("16-bit score kernels: a query held widened scores the same b
 template <class Arch>
 RowMatrix<bf16> pair_dot_run(const Inputs<bf16>& in, Index hq, Index hkv, Index t,
                              const std::vector<Index>& cut) {
-  SelfAttentionOptions opt;
-  opt.beta = 0.4;
-  opt.chunk = 40;
-  MultiHead<SelfAttention<bf16, Arch>> layer(SelfAttention<bf16, Arch>(opt), 1, hq, hkv,
-                                             in.q.cols(), in.v.cols());
-  return feed(layer, in.q, in.k, in.v, hq, hkv, t, cut);
+  return bf16_self_run<Arch>(in, hq, hkv, t, 0, cut);
 }
 
 TEST_CASE("bf16 scores by AVX512-BF16 pair dot products: within the bf16 bound, any cut, the "
@@ -456,7 +464,8 @@ void check_tile_scores(Index bq, Index d, Index spacing, double bound, std::uint
   bool rows_alone = true;
   for (Index i = 0; i < bq; ++i) {
     Ops::scores_rows(in.q.data() + i * d, d, 1, keys, d, beta, one.data());
-    rows_alone = rows_alone && std::memcmp(one.data(), s.data() + i * kTile, sizeof(float) * kTile) == 0;
+    rows_alone = rows_alone &&
+                 std::memcmp(one.data(), s.data() + i * kTile, sizeof(float) * kTile) == 0;
     for (Index j = 0; j < kTile; ++j) {
       double exact = 0, magnitude = 0;
       for (Index f = 0; f < d; ++f) {
@@ -488,7 +497,8 @@ void check_tile_values(Index bq, Index dv, double bound, std::uint64_t seed) {
   for (Index i = 0; i < bq; ++i) {
     RowMatrix<float> one = acc0.row(i);
     Ops::accumulate_tile(p.data() + i * kTile, 1, values, dv, one.data(), dv, kernels::NoPacing{});
-    rows_alone = rows_alone && std::memcmp(one.data(), acc.data() + i * dv, sizeof(float) * dv) == 0;
+    rows_alone = rows_alone &&
+                 std::memcmp(one.data(), acc.data() + i * dv, sizeof(float) * dv) == 0;
   }
   CHECK(rows_alone);
   double worst = 0;
@@ -522,10 +532,11 @@ TEST_CASE("AMX tile kernels (emulated everywhere, and the hardware's): scores an
       }
     }
     for (const Index dv : {Index(3), Index(16), Index(24), Index(80), Index(128)}) {
-      check_tile_values<ovq::test::emulated_amx>(bq, dv, 1e-6, 500 + static_cast<std::uint64_t>(bq * dv));
+      const auto seed = 500 + static_cast<std::uint64_t>(bq * dv);
+      check_tile_values<ovq::test::emulated_amx>(bq, dv, 1e-6, seed);
       if (hardware_tiles()) {
 #if defined(OVQ_ARCH_AMX)
-        check_tile_values<arch::amx>(bq, dv, 1e-5, 500 + static_cast<std::uint64_t>(bq * dv));
+        check_tile_values<arch::amx>(bq, dv, 1e-5, seed);
 #endif
       }
     }
@@ -582,17 +593,6 @@ TEST_CASE("AMX operand packing: AVX-512 moves the portable packing's bits", "[ha
 // bf16 self-attention on tiles (grouped heads, whole tiles of stacked rows and tails of
 // features and columns): within the bf16 bound of the reference, the same bits however the
 // stream is cut, and the hardware within a rounding of the emulation.
-template <class Arch>
-RowMatrix<bf16> tile_run(const Inputs<bf16>& in, Index hq, Index hkv, Index t, Index window,
-                         const std::vector<Index>& cut) {
-  SelfAttentionOptions opt;
-  opt.beta = 0.4;
-  opt.chunk = 40;
-  opt.window = window;
-  MultiHead<SelfAttention<bf16, Arch>> layer(SelfAttention<bf16, Arch>(opt), 1, hq, hkv,
-                                             in.q.cols(), in.v.cols());
-  return feed(layer, in.q, in.k, in.v, hq, hkv, t, cut);
-}
 
 TEST_CASE("bf16 self-attention on AMX tiles: within the bf16 bound, any cut, the hardware "
           "within a rounding of its emulation",
@@ -604,18 +604,18 @@ TEST_CASE("bf16 self-attention on AMX tiles: within the bf16 bound, any cut, the
     for (const Index window : {Index(0), Index(50)}) {
       INFO("dk " << dk << " dv " << dv << " window " << window);
       const Inputs<bf16> in = inputs<bf16>(hq, hkv, t, dk, dv, 91 + static_cast<std::uint64_t>(dk));
-      const RowMatrix<bf16> whole = tile_run<Emulated>(in, hq, hkv, t, window, {});
+      const RowMatrix<bf16> whole = bf16_self_run<Emulated>(in, hq, hkv, t, window, {});
       CHECK(relative_error(widened(whole),
                            self_reference(in.qf, in.kf, in.vf, hq, hkv, t, 0.4, window)) <
             half_bound<bf16>());
       for (const auto& cut : kCuts)
-        CHECK(same_bits(tile_run<Emulated>(in, hq, hkv, t, window, cut), whole));
+        CHECK(same_bits(bf16_self_run<Emulated>(in, hq, hkv, t, window, cut), whole));
 #if defined(OVQ_ARCH_AMX)
       if (hardware_tiles()) {
-        const RowMatrix<bf16> hardware = tile_run<arch::amx>(in, hq, hkv, t, window, {});
+        const RowMatrix<bf16> hardware = bf16_self_run<arch::amx>(in, hq, hkv, t, window, {});
         CHECK(relative_error(widened(hardware), widened(whole)) < 2e-3);
         for (const auto& cut : kCuts)
-          CHECK(same_bits(tile_run<arch::amx>(in, hq, hkv, t, window, cut), hardware));
+          CHECK(same_bits(bf16_self_run<arch::amx>(in, hq, hkv, t, window, cut), hardware));
       }
 #endif
     }

@@ -60,8 +60,8 @@ struct EmulatedTiles {
   static void load(const void* p, Index stride_bytes) {
     in_session();
     for (Index r = 0; r < kRows; ++r)
-      std::memcpy(tile(T).bytes + r * kBytes, static_cast<const unsigned char*>(p) + r * stride_bytes,
-                  kBytes);
+      std::memcpy(tile(T).bytes + r * kBytes,
+                  static_cast<const unsigned char*>(p) + r * stride_bytes, kBytes);
   }
   template <int T>
   static void store(void* p, Index stride_bytes) {
@@ -88,7 +88,8 @@ struct EmulatedTiles {
         float old;
         std::memcpy(&old, c.bytes + m * kBytes + 4 * n, sizeof old);
         float result = static_cast<float>(static_cast<double>(old) + sum);
-        if (std::abs(result) < std::numeric_limits<float>::min()) result = std::copysign(0.0f, result);
+        if (std::abs(result) < std::numeric_limits<float>::min())
+          result = std::copysign(0.0f, result);
         std::memcpy(c.bytes + m * kBytes + 4 * n, &result, sizeof result);
       }
     }

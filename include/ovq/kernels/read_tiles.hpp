@@ -4,10 +4,10 @@
 //
 // Same bits however the stream was cut: keys (memory rows, then local rows) are tiled on their
 // absolute positions, every score is computed by the same operations whatever the number of
-// queries (one micro-kernel; on AMX tiles, two layouts of the same products), and key tiles are folded in merge blocks of kBlockKeys positions whose (o, m, l)
-// states are merged in order. So a query's output depends only on the keys it sees, not on the
-// other queries of its call, the number of threads or whether it came through forward() or
-// step().
+// queries (one micro-kernel; on AMX tiles, two layouts of the same products), and key tiles are
+// folded in merge blocks of kBlockKeys positions whose (o, m, l) states are merged in order. So
+// a query's output depends only on the keys it sees, not on the other queries of its call, the
+// number of threads or whether it came through forward() or step().
 //
 // Grouped queries: `heads` query heads that read the same memory are stacked into one tile
 // (row (i, h) at position i), so every key/value tile is loaded once for the whole group.
@@ -163,15 +163,14 @@ void fold_key_tile(const KeyAxis<Element>& axis, Index tile, Index p0, Index hea
     pacing.stream->start(axis.memory, next_lo, next_hi,
                          2 * bq * (kTile * dk + (mem_hi - mem_lo) * dv));
   }
+  bool scored = false;
   if constexpr (packs_keys_v<Ops>) {
     if (packed != nullptr) {
       Ops::scores_rows_packed(buf.q.data(), dk, bq, keys, packed, dk, beta, s, pacing);
-    } else {
-      Ops::scores_rows(buf.q.data(), dk, bq, keys, dk, beta, s, pacing);
+      scored = true;
     }
-  } else {
-    Ops::scores_rows(buf.q.data(), dk, bq, keys, dk, beta, s, pacing);
   }
+  if (!scored) Ops::scores_rows(buf.q.data(), dk, bq, keys, dk, beta, s, pacing);
   // The softmax of the tile in three passes over its rows, each row's steps in order: a row's
   // steps form one long dependency chain (maximum, exponentials, sums), and rows are
   // independent, so a pass lets the processor overlap the chains of several rows.

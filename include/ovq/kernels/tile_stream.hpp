@@ -1,7 +1,8 @@
 #pragma once
 // The prefetch stream of the CPU read: while a key tile is computed, the next tile's memory rows
 // are asked for, a few cache lines at a time, paced by the micro-kernels' flops (TileOps'
-// pacing hook). Used by grouped-query decode steps over a long memory (KeyAxis::prefetch).
+// pacing hook). Used by grouped-query decode steps over a long memory, and by single-row ones
+// on AMX tiles (KeyAxis::prefetch, prefetch_min_rows_v).
 // A hint only: no fault, no effect on any result.
 #include <cstdint>
 #include <type_traits>

@@ -132,8 +132,9 @@ struct HardwareTiles {
   }
   template <int C, int A, int B>
   static void dot() {
-    asm volatile("{tdpbf16ps\t%%tmm%c2, %%tmm%c1, %%tmm%c0|tdpbf16ps\ttmm%c0, tmm%c1, tmm%c2}" ::"i"(C),
-                 "i"(A), "i"(B));
+    asm volatile("{tdpbf16ps\t%%tmm%c2, %%tmm%c1, %%tmm%c0|tdpbf16ps\ttmm%c0, tmm%c1, tmm%c2}"
+                 :
+                 : "i"(C), "i"(A), "i"(B));
   }
 };
 #endif
@@ -158,7 +159,7 @@ struct PortablePacking {
       const bf16* k = keys[j];
       const Index g = j / kTileRows, col = j % kTileRows;
       for (Index c = 0; c < chunks; ++c) {
-        std::uint32_t* tile = out + (c * groups + g) * kTileRows * kPairs;
+        std::uint32_t* tile = out + (c * groups + g) * kTileWords;
         for (Index p = 0; p < kPairs; ++p) {
           const Index f = c * kChunk + 2 * p;
           const std::uint16_t even = f < d ? bits(k[f]) : 0;
@@ -250,7 +251,7 @@ struct Avx512Packing {
         for (int j = 0; j < 16; ++j)
           r[j] = _mm512_maskz_loadu_epi16(mask, keys[g * kTileRows + j] + c * kChunk);
         transpose16(r);
-        std::uint32_t* tile = out + (c * groups + g) * kTileRows * kPairs;
+        std::uint32_t* tile = out + (c * groups + g) * kTileWords;
         for (int p = 0; p < 16; ++p) _mm512_storeu_si512(tile + p * kTileRows, r[p]);
       }
     }
@@ -284,11 +285,14 @@ struct Avx512Packing {
       }
     }
   }
+  // Offsets of the 16 entries of a tile column, in 32-bit words (kTileRows = 16 a row).
+  static __m512i down_a_column() {
+    return _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224,
+                             240);
+  }
   // Each chunk of a row is one load and one scatter down column i.
   static void queries(const bf16* q, Index q_stride, Index bq, Index d, std::uint32_t* out) {
-    const __m512i down = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32(static_cast<int>(kTileRows)));
+    const __m512i down = down_a_column();
     const Index chunks = (d + kChunk - 1) / kChunk;
     for (Index i = 0; i < bq; ++i) {
       for (Index c = 0; c < chunks; ++c) {
@@ -302,9 +306,7 @@ struct Avx512Packing {
   // Row i of s, 16 keys at a time: one gather down column i of a tile.
   static void scores_from_columns(const float* block, Index bq, Index key_tile, float beta,
                                   float* s) {
-    const __m512i down = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32(static_cast<int>(kTileRows)));
+    const __m512i down = down_a_column();
     const __m512 b = _mm512_set1_ps(beta);
     for (Index i = 0; i < bq; ++i)
       for (Index j = 0; j < key_tile; j += kTileRows)
@@ -348,7 +350,7 @@ struct TileOps : Base {
     AlignedVector<std::uint16_t> rows;          // zero-padded query rows, or bf16 weights
     AlignedVector<bf16> key_rows;               // zero-padded key rows (few rows)
     AlignedVector<float> acc_rows;              // accumulator rows, 16 x whole blocks
-    alignas(64) float block[kTileRows * kKeyTile];  // scores or accumulator rows past bq
+    alignas(64) float block[kTileRows * kKeyTile];  // a row group's scores, or S^T (few rows)
   };
   static Scratch& scratch() {
     thread_local Scratch s;
@@ -509,7 +511,7 @@ struct TileOps : Base {
     constexpr Index kHalves = kKeyTile / kChunk;  // slot chunks of a tile
     static_assert(kHalves == 2, "two slot chunks a tile");
     Scratch& w = scratch();
-    w.values.resize(static_cast<std::size_t>(kHalves * blocks * kTileRows * kPairs));
+    w.values.resize(static_cast<std::size_t>(kHalves * blocks * kTileWords));
     Packing::values(v, kKeyTile, dv, w.values.data());
     const std::uint32_t* vt = w.values.data();
     w.rows.resize(static_cast<std::size_t>(kTileRows * kKeyTile));

@@ -22,8 +22,8 @@
 // fixed tree. The key rows are read in place: a decode step scores each key once, so there is
 // nothing to gain from packing them first. (AMX tiles, amx.hpp, are the exception: two operand
 // layouts, for few rows and for many, that give each score the same products and so the same
-// bits, and keys packed once per read of many rows.) scores_packed is one chain per score in feature order
-// (bitwise the portable scores_rows).
+// bits, and keys packed once per read of many rows.) scores_packed is one chain per score in
+// feature order (bitwise the portable scores_rows).
 // scores_rows takes its queries in TileOps::Query (float for every kernel that widens its
 // operands before multiplying, so the read widens a 16-bit query once per tile) or in the element.
 // scores_rows and accumulate take a pacing hook (NoPacing below by default), through which a
