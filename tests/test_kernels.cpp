@@ -303,7 +303,10 @@ void check_scores_rows(Index d, std::uint64_t seed) {
       Ops::scores_rows(q.data() + i0 * d, d, rows, keys, d, beta, part.data(),
                        FlopCounter{&flops, &largest});
       CHECK(flops == 2 * rows * kTile * d);
-      CHECK(largest <= 24 * d);  // a block of at most 6 rows x 2 keys
+      // Lane sums: a block of at most 6 rows x 2 keys. Chains: the rows over one W x W block of
+      // keys transposed (W = kTile / 4).
+      constexpr Index W = kTile / 4;
+      CHECK(largest <= std::max(24 * d, 2 * rows * W * std::min(W, d)));
       for (Index x = 0; x < rows * kTile; ++x)
         differ += part[static_cast<std::size_t>(x)] != all[static_cast<std::size_t>(i0 * kTile + x)];
     }
@@ -326,6 +329,69 @@ void check_scores_rows(Index d, std::uint64_t seed) {
   CHECK(worst < 10 * test::tolerance<Scalar>());
 }
 
+// Many rows score a tile from a packed panel of its keys (lanes_panel: scores_rows from
+// kPanelMinRows rows, and scores_rows_packed from pack_keys for any number), a few from the key
+// rows in place (dot_products and reduce8): the same lanes and the same tree, so the same bits.
+// Each row of a 39-row call (blocks of 4, 2 and 1 rows), and of packed calls of 1 to 5 rows,
+// against the row alone in place, feature tails included, queries as elements or in the
+// kernels' query type, with an infinity in one key (NaN and infinite scores, which must come
+// out alike).
+template <class Element, class Arch>
+void check_panel_scores_match_rows(Index d, std::uint64_t seed) {
+  using Ops = kernels::TileOps<Element, Arch>;
+  static_assert(Ops::kLanePanels, "a kernel that scores many rows from a panel");
+  constexpr Index kTile = Ops::kKeyTile;
+  const Index bq = 39;
+  REQUIRE(bq >= Ops::kPanelMinRows);  // scores_rows takes the panel path
+  const RowMatrix<float> qf = random_matrix<float>(bq, d, seed, 0.5);
+  const RowMatrix<float> kf = random_matrix<float>(kTile, d, seed + 1);
+  std::vector<Element> q(static_cast<std::size_t>(bq * d)), k(static_cast<std::size_t>(kTile * d));
+  std::vector<typename Ops::Query> q_held(q.size());
+  for (Index x = 0; x < bq * d; ++x) {
+    q[static_cast<std::size_t>(x)] = narrow<Element>(qf.data()[x]);
+    q_held[static_cast<std::size_t>(x)] = widen(q[static_cast<std::size_t>(x)]);
+  }
+  for (Index x = 0; x < kTile * d; ++x) k[static_cast<std::size_t>(x)] = narrow<Element>(kf.data()[x]);
+  k[static_cast<std::size_t>(5 * d + d / 2)] = narrow<Element>(std::numeric_limits<float>::infinity());
+  const Element* keys[kTile];
+  for (Index j = 0; j < kTile; ++j) keys[j] = k.data() + j * d;
+  std::vector<float> alone(static_cast<std::size_t>(bq * kTile));
+  Index non_finite = 0;
+  for (Index i = 0; i < bq; ++i) {
+    Ops::scores_rows(q.data() + i * d, d, 1, keys, d, 0.75f, alone.data() + i * kTile);
+    for (Index j = 0; j < kTile; ++j) non_finite += !std::isfinite(alone[static_cast<std::size_t>(i * kTile + j)]);
+  }
+  CHECK(non_finite == bq);  // key 5's column
+  std::vector<float> packed(static_cast<std::size_t>(Ops::packed_key_words(d)));
+  Ops::pack_keys(keys, d, packed.data());
+  INFO(Arch::kName << " d " << d);
+  const auto differ = [&](const std::vector<float>& got, Index rows) {
+    return std::memcmp(got.data(), alone.data(), static_cast<std::size_t>(rows * kTile) * sizeof(float)) != 0;
+  };
+  std::vector<float> got(alone.size());
+  Ops::scores_rows(q.data(), d, bq, keys, d, 0.75f, got.data());
+  CHECK(!differ(got, bq));
+  Ops::scores_rows(q_held.data(), d, bq, keys, d, 0.75f, got.data());
+  CHECK(!differ(got, bq));
+  for (Index rows : {bq, Index(1), Index(2), Index(3), Index(4), Index(5)}) {
+    Ops::scores_rows_packed(q_held.data(), d, rows, keys, packed.data(), d, 0.75f, got.data());
+    CHECK(!differ(got, rows));
+  }
+}
+
+template <class Element>
+void check_panel_scores_every_arch(Index d) {
+  const std::uint64_t seed = 300 + static_cast<std::uint64_t>(d);
+#if defined(OVQ_ARCH_AVX2)
+  check_panel_scores_match_rows<Element, arch::avx2>(d, seed);
+  check_panel_scores_match_rows<Element, test::emulated_avx512>(d, seed);
+#endif
+#if defined(OVQ_ARCH_AVX512)
+  check_panel_scores_match_rows<Element, arch::avx512>(d, seed);
+#endif
+  (void)seed;
+}
+
 }  // namespace
 
 TEMPLATE_TEST_CASE("read kernel: a row's scores do not depend on the rows scored with it",
@@ -337,6 +403,15 @@ TEMPLATE_TEST_CASE("read kernel: a row's scores do not depend on the rows scored
     check_scores_rows<TestType, arch::avx2>(d, 80 + static_cast<std::uint64_t>(d));
     check_scores_rows<TestType, test::emulated_avx512>(d, 100 + static_cast<std::uint64_t>(d));
 #endif
+  }
+}
+
+TEST_CASE("read kernel: scores from a packed panel are the in-place scores bit for bit",
+          "[kernels][read][simd]") {
+  for (Index d : {1, 5, 8, 13, 16, 17, 24, 64, 67, 128}) {
+    check_panel_scores_every_arch<float>(d);
+    check_panel_scores_every_arch<bf16>(d);
+    check_panel_scores_every_arch<fp16>(d);
   }
 }
 

@@ -75,6 +75,18 @@
 // it, so that a consumer's -O2 build gets the same code as -O3. The device pass has nvcc's own
 // pragma; the host pass of nvcc has none (its front end rejects GCC's spelling and forwards
 // nvcc's to GCC, which rejects that), so host code in a .cu file needs -O3 for its register blocks.
+// In-register shuffles of a whole register block (a transpose) are inlined whatever the
+// compiler's size heuristics say: called out of line, the block goes through the stack. And a
+// register block that needs every register is kept out of line: inlined into a caller with
+// values of its own live, its accumulators spill.
+#if defined(__GNUC__) || defined(__clang__)
+#define OVQ_ALWAYS_INLINE inline __attribute__((always_inline))
+#define OVQ_NOINLINE __attribute__((noinline))
+#else
+#define OVQ_ALWAYS_INLINE inline
+#define OVQ_NOINLINE
+#endif
+
 #if defined(OVQ_DEVICE_PASS)
 #define OVQ_UNROLL _Pragma("unroll")
 #elif defined(__CUDACC__)

@@ -65,6 +65,16 @@ struct F32x16OnAvx2 {
     return {Half::load(p), Half::load_first(p + 8, n - 8)};
   }
   static __m256 fold_to_8(reg a) { return Half::add(a.lo, a.hi); }
+  // r[i] lane j -> r[j] lane i, as F32x16::transpose (moves only, no arithmetic).
+  static void transpose(reg r[16]) {
+    alignas(32) float lanes[16][16];
+    for (int i = 0; i < 16; ++i) store(lanes[i], r[i]);
+    for (int j = 0; j < 16; ++j) {
+      alignas(32) float column[16];
+      for (int i = 0; i < 16; ++i) column[i] = lanes[i][j];
+      r[j] = load(column);
+    }
+  }
   // 16-bit elements, widened as F32x16 widens them.
   static reg load(const bf16* p) { return {Half::load(p), Half::load(p + 8)}; }
   static reg load(const fp16* p) { return {Half::load(p), Half::load(p + 8)}; }

@@ -1,9 +1,10 @@
 #pragma once
 // Nearest centroid by inner product, fused with the score tiles: each tile of scores is reduced
 // to a running argmax at once, so no L x n score matrix is kept. The scores are the read's
-// (TileOps::scores_rows, centroid rows read in place): a row's scores, and so its assignment,
-// are the same bits whatever the other rows of the call, and nothing is packed per call (a VQ
-// decode step assigns one row against the whole codebook).
+// (TileOps::scores_rows): a row's scores, and so its assignment, are the same bits whatever the
+// other rows of the call. A call of many rows packs each centroid tile once where the kernels
+// score from packed keys (packs_keys_v); a few rows (a VQ decode step assigns one row against
+// the whole codebook) read the centroid rows in place.
 //
 //   best[i] = max_r (x_i . C[r] + offset[r]),  arg[i] = the smallest r reaching it
 //
@@ -66,7 +67,8 @@ void assign_nearest(ConstRowsView<Element> x, ConstRowsView<Element> centroids,
   using Ops = TileOps<Element, Arch>;
   using assign_detail::argmax_update;
   constexpr Index kTile = Ops::kKeyTile;
-  constexpr Index kRows = 32;  // rows of x per score tile
+  constexpr Index kRows = 32;         // rows of x per score tile
+  constexpr Index kPackMinRows = 32;  // rows from which packing the centroids once pays
   const Index n = centroids.rows;
   const Index d = x.cols;
   for (Index i = 0; i < x.rows; ++i) {
@@ -77,16 +79,43 @@ void assign_nearest(ConstRowsView<Element> x, ConstRowsView<Element> centroids,
   AlignedVector<typename Ops::Query> x_rows(static_cast<std::size_t>(kRows * d));
   AlignedVector<Scalar> scores(static_cast<std::size_t>(kRows * kTile));
   [[maybe_unused]] const TileSession<Ops> session;  // AMX: one tile configuration for all
+  // Slots past the last centroid repeat centroid r0; their scores are not looked at.
+  const auto tile_rows = [&](Index r0, const Element** rows) {
+    const Index br = std::min(kTile, n - r0);
+    for (Index j = 0; j < kTile; ++j) rows[j] = centroids.row(r0 + (j < br ? j : 0));
+  };
+  using Packed = packed_word_t<Ops>;
+  thread_local AlignedVector<Packed> packed;  // every centroid tile, or empty
+  Index words = 0;
+  packed.clear();
+  if constexpr (packs_keys_v<Ops>) {
+    if (x.rows >= kPackMinRows && Ops::packs_keys()) {
+      words = Ops::packed_key_words(d);
+      packed.resize(static_cast<std::size_t>((n + kTile - 1) / kTile * words));
+      for (Index r0 = 0; r0 < n; r0 += kTile) {
+        const Element* rows[kTile];
+        tile_rows(r0, rows);
+        Ops::pack_keys(rows, d, packed.data() + r0 / kTile * words);
+      }
+    }
+  }
   for (Index i0 = 0; i0 < x.rows; i0 += kRows) {
     const Index bq = std::min(kRows, x.rows - i0);
     for (Index i = 0; i < bq; ++i)
       copy_query(x.row(i0 + i), d, x_rows.data() + i * d);
     for (Index r0 = 0; r0 < n; r0 += kTile) {
       const Index br = std::min(kTile, n - r0);
-      // Slots past the last centroid repeat centroid r0; their scores are not looked at.
       const Element* rows[kTile];
-      for (Index j = 0; j < kTile; ++j) rows[j] = centroids.row(r0 + (j < br ? j : 0));
-      Ops::scores_rows(x_rows.data(), d, bq, rows, d, Scalar(1), scores.data());
+      tile_rows(r0, rows);
+      bool scored = false;
+      if constexpr (packs_keys_v<Ops>) {
+        if (!packed.empty()) {
+          Ops::scores_rows_packed(x_rows.data(), d, bq, rows, packed.data() + r0 / kTile * words,
+                                  d, Scalar(1), scores.data());
+          scored = true;
+        }
+      }
+      if (!scored) Ops::scores_rows(x_rows.data(), d, bq, rows, d, Scalar(1), scores.data());
       const Scalar* tile_offset = offset != nullptr ? offset + r0 : nullptr;
       for (Index i = 0; i < bq; ++i) {
         const Scalar* row = scores.data() + i * kTile;

@@ -14,8 +14,10 @@
 //
 // Shapes: q[h] (Tq x dk), Km (Nm x dk), Vm (Nm x dv), bias (Nm), Kl (Nl x dk), Vl (Nl x dv),
 // o[h] (Tq x dv). Cost: 2 heads Tq (Nm' + Nl') (dk + dv) flops, Nm' and Nl' the visible rows
-// (the causal half only: tiles no query of a tile sees are skipped). Keys and values are read in
-// place (TileOps::scores_rows), nothing is packed (but for AMX tiles, packs_keys_v below).
+// (the causal half only: tiles no query of a tile sees are skipped). Values are read in place;
+// keys too for a single query tile (TileOps::scores_rows), while a read of several query tiles
+// packs each key tile once where the kernels score from a packed copy (packs_keys_v,
+// tile_ops.hpp).
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -95,14 +97,6 @@ void tile_values(const KeyAxis<Element>& axis, Index tile, const Element* values
     if (values[j] == nullptr) values[j] = any;
 }
 
-// Kernels whose score operand is packed (AMX tiles): a read of several query tiles packs every
-// key tile once (Ops::pack_keys) and scores from the packed copy (Ops::scores_rows_packed, the
-// same bits as Ops::scores_rows).
-template <class Ops, class = void>
-inline constexpr bool packs_keys_v = false;
-template <class Ops>
-inline constexpr bool packs_keys_v<Ops, std::void_t<decltype(&Ops::packs_keys)>> = true;
-
 // Per-thread tile state. Query: what the micro-kernels take the stacked queries in
 // (TileOps::Query; a 16-bit query is widened here once instead of once per key).
 template <class Element, class Query>
@@ -145,7 +139,7 @@ template <class Element, class Ops, class Pacing>
 void fold_key_tile(const KeyAxis<Element>& axis, Index tile, Index p0, Index heads, Index bq,
                    Index dk, Index dv, compute_t<Element> beta,
                    TileBuffers<Element, typename Ops::Query>& buf, Pacing pacing,
-                   const std::uint32_t* packed) {
+                   const packed_word_t<Ops>* packed) {
   using Compute = compute_t<Element>;
   constexpr bool kStream = std::is_same_v<Pacing, StreamPacing<Element>>;
   constexpr Index kTile = Ops::kKeyTile;
@@ -267,25 +261,13 @@ class TileReader {
                      static_cast<double>(memory.keys.rows) * static_cast<double>(dk_ + dv_) *
                              sizeof(Element) >= kPrefetchMinBytes;
     if constexpr (packs_keys_v<Ops>) {
-      if (n_tiles_ > 1 && axis_.end() > axis_.pad && Ops::packs_keys()) {
-        packed_words_ = Ops::packed_key_words(dk_);
-        const Index tiles = (axis_.end() + kTile - 1) / kTile;
-        packed_keys_.resize(static_cast<std::size_t>(tiles * packed_words_));
-        for (Index t = axis_.pad / kTile; t < tiles; ++t) {
-          const Element* keys[kTile];
-          tile_keys<Element, kTile>(axis_, t, keys);
-          Ops::pack_keys(keys, dk_, packed_keys_.data() + t * packed_words_);
-        }
-      }
+      if (n_tiles_ > 1 && axis_.end() > axis_.pad && Ops::packs_keys()) pack_keys();
     }
   }
 
   void run() const {
 #if defined(OVQ_HAS_OPENMP)
-    const double work = 2.0 * static_cast<double>(n_pos_ * heads_) *
-                        static_cast<double>(axis_.end() - axis_.pad) *
-                        static_cast<double>(dk_ + dv_);
-    if (detail::worth_parallel(work)) {
+    if (detail::worth_parallel(work_flops())) {
       if (n_tiles_ > 1) return read_tiles_parallel();
       if (decode_blocks() > 1) return read_blocks_parallel();
     }
@@ -294,6 +276,33 @@ class TileReader {
   }
 
  private:
+  // The read's flops, for the choice to run it on several threads.
+  double work_flops() const {
+    return 2.0 * static_cast<double>(n_pos_ * heads_) * static_cast<double>(axis_.end() - axis_.pad) *
+           static_cast<double>(dk_ + dv_);
+  }
+
+  // Every key tile packed once (Ops::pack_keys), on the threads the read will run on.
+  void pack_keys() {
+    packed_words_ = Ops::packed_key_words(dk_);
+    const Index tiles = (axis_.end() + kTile - 1) / kTile;
+    packed_keys_.resize(static_cast<std::size_t>(tiles * packed_words_));
+    const auto pack = [&](Index t) {
+      const Element* keys[kTile];
+      tile_keys<Element, kTile>(axis_, t, keys);
+      Ops::pack_keys(keys, dk_, packed_keys_.data() + t * packed_words_);
+    };
+    const Index first = axis_.pad / kTile;
+#if defined(OVQ_HAS_OPENMP)
+    if (detail::worth_parallel(work_flops())) {
+#pragma omp parallel for schedule(static)
+      for (Index t = first; t < tiles; ++t) pack(t);
+      return;
+    }
+#endif
+    for (Index t = first; t < tiles; ++t) pack(t);
+  }
+
   // Stacked rows of query tile `tile`.
   Index tile_rows(Index tile) const {
     return std::min(positions_per_tile_, n_pos_ - tile * positions_per_tile_) * heads_;
@@ -331,7 +340,7 @@ class TileReader {
     const Index p0 = tile_position(tile);
     [[maybe_unused]] const TileSession<Ops> session;
     for (Index t = first; t <= last; ++t) {
-      const std::uint32_t* packed =
+      const packed_word_t<Ops>* packed =
           packed_keys_.empty() ? nullptr : packed_keys_.data() + t * packed_words_;
       if (axis_.prefetch) {
         fold_key_tile<Element, Ops>(axis_, t, p0, heads_, bq, dk_, dv_, beta_, buf,
@@ -456,8 +465,8 @@ class TileReader {
   Compute beta_;
   KeyAxis<Element> axis_;
   Index positions_per_tile_ = 1, n_tiles_ = 0, tile_rows_ = 0;
-  AlignedVector<std::uint32_t> packed_keys_;  // Ops::pack_keys of every key tile, or empty
-  Index packed_words_ = 0;                     // words per packed tile
+  AlignedVector<packed_word_t<Ops>> packed_keys_;  // Ops::pack_keys of every key tile, or empty
+  Index packed_words_ = 0;                          // words per packed tile
 };
 
 }  // namespace read_detail

@@ -371,6 +371,7 @@ struct TileOps : Base {
 
   // A read of many query tiles packs each key tile once (read_tiles.hpp): the words of one
   // packed tile, the packing, and the scores from it (the same bits as scores_rows).
+  using PackedWord = std::uint32_t;
   static bool packs_keys() { return true; }
   static Index packed_key_words(Index d) {
     return (d + kChunk - 1) / kChunk * kGroups * kTileWords;
@@ -617,6 +618,7 @@ struct TileOps<bf16, arch::amx> : TileOps<bf16, arch::avx512bf16> {
     Fallback::scores_rows(q, q_stride, bq, keys, d, beta, s, pacing);
   }
   // Keys packed once per read (read_tiles.hpp), where the tiles are in use.
+  using PackedWord = std::uint32_t;
   static bool packs_keys() { return amx::usable(); }
   static Index packed_key_words(Index d) { return Tiles::packed_key_words(d); }
   static void pack_keys(const bf16* const* keys, Index d, std::uint32_t* out) {

@@ -13,17 +13,20 @@
 // and, for linear attention's chunk products, which score many rows against the same keys:
 //   scores_packed  S[i][j] = beta q_i . K[j]        K^T panel (d x kKeyTile, key fastest), from
 //                                                   pack_key_panels
+// and, where the kernels have them (packs_keys_v), for callers that score many rows against the
+// same key tiles: pack_keys (one tile, once) and scores_rows_packed (scores_rows from it).
 //
 // The read's scores (scores_rows) are each computed from q_i and K[j] alone, by the same
 // operations whatever the number of query rows and whichever block a score falls in: a query's
 // scores do not depend on what else is in its tile, which is what makes a read independent of
 // how the stream was cut into calls. Portable: one chain over the features in order. SIMD: W
 // lanes, lane l summing the features k = l (mod W) in order (fused), the lanes then added by one
-// fixed tree. The key rows are read in place: a decode step scores each key once, so there is
-// nothing to gain from packing them first. (AMX tiles, amx.hpp, are the exception: two operand
-// layouts, for few rows and for many, that give each score the same products and so the same
-// bits, and keys packed once per read of many rows.) scores_packed is one chain per score in
-// feature order (bitwise the portable scores_rows).
+// fixed tree. A few rows (a decode step, which scores each key once) read the key rows in place
+// and add each score's lanes by shuffles; many rows score from the tile transposed (keys along
+// the lanes: lane l's sums for W keys are one vector, and the tree adds whole vectors), the same
+// operations on the same values. (AMX tiles, amx.hpp: two operand layouts, for few rows and for
+// many, that give each score the same products and so the same bits.) scores_packed is one chain
+// per score in feature order (bitwise the portable scores_rows).
 // scores_rows takes its queries in TileOps::Query (float for every kernel that widens its
 // operands before multiplying, so the read widens a 16-bit query once per tile) or in the element.
 // scores_rows and accumulate take a pacing hook (NoPacing below by default), through which a
@@ -32,6 +35,7 @@
 // AVX-512 and AVX2+FMA) share one register-blocked template over a small vector wrapper.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -64,6 +68,25 @@ template <class Ops, class = void>
 struct TileSession {};
 template <class Ops>
 struct TileSession<Ops, std::void_t<typename Ops::Session>> : Ops::Session {};
+
+// Kernels that can score from packed keys (SIMD lane sums from key panels, AMX tiles): a caller
+// that scores many rows against the same keys (a read of several query tiles, an assignment)
+// packs every key tile once (Ops::pack_keys, into Ops::PackedWords) and scores from the packed
+// copy (Ops::scores_rows_packed, the same bits as Ops::scores_rows).
+template <class Ops, class = void>
+inline constexpr bool packs_keys_v = false;
+template <class Ops>
+inline constexpr bool packs_keys_v<Ops, std::void_t<decltype(&Ops::packs_keys)>> = true;
+template <class Ops, class = void>
+struct packed_word {
+  using type = std::uint32_t;  // unused: nothing is packed
+};
+template <class Ops>
+struct packed_word<Ops, std::void_t<typename Ops::PackedWord>> {
+  using type = typename Ops::PackedWord;
+};
+template <class Ops>
+using packed_word_t = typename packed_word<Ops>::type;
 
 // a * b + c, rounded the same way in every compiled copy of a kernel: one fused operation where
 // the target has FMA, two roundings where it has none. Left to the compiler, GCC's default
@@ -307,6 +330,33 @@ struct F32x16 {
   static reg load_first(const H* p, Index n) {
     return load(first_of<H, 16>(p, n).data);
   }
+  // r[i] lane j -> r[j] lane i (a 16 x 16 block transposed): 32-bit then 64-bit interleaves
+  // within each group of four rows, then twice 128-bit interleaves across the groups, each step
+  // in place on four vectors (so the block needs 16 registers and a few). Cost: 64 shuffles.
+  static OVQ_ALWAYS_INLINE void transpose(reg r[16]) {
+    OVQ_UNROLL
+    for (int g = 0; g < 16; g += 4) {  // then r[g + x] block b: rows g .. g + 3 of column 4b + x
+      const reg t0 = _mm512_unpacklo_ps(r[g], r[g + 1]);  // block b: [a4b b4b a4b+1 b4b+1]
+      const reg t1 = _mm512_unpackhi_ps(r[g], r[g + 1]);  // [a4b+2 b4b+2 a4b+3 b4b+3]
+      const reg t2 = _mm512_unpacklo_ps(r[g + 2], r[g + 3]);
+      const reg t3 = _mm512_unpackhi_ps(r[g + 2], r[g + 3]);
+      r[g] = _mm512_shuffle_ps(t0, t2, 0x44);
+      r[g + 1] = _mm512_shuffle_ps(t0, t2, 0xEE);
+      r[g + 2] = _mm512_shuffle_ps(t1, t3, 0x44);
+      r[g + 3] = _mm512_shuffle_ps(t1, t3, 0xEE);
+    }
+    OVQ_UNROLL
+    for (int x = 0; x < 4; ++x) {  // column 4b + x: block b of r[x], r[4 + x], r[8 + x], r[12 + x]
+      const reg lo01 = _mm512_shuffle_f32x4(r[x], r[4 + x], 0x44);
+      const reg hi01 = _mm512_shuffle_f32x4(r[x], r[4 + x], 0xEE);
+      const reg lo23 = _mm512_shuffle_f32x4(r[8 + x], r[12 + x], 0x44);
+      const reg hi23 = _mm512_shuffle_f32x4(r[8 + x], r[12 + x], 0xEE);
+      r[x] = _mm512_shuffle_f32x4(lo01, lo23, 0x88);
+      r[4 + x] = _mm512_shuffle_f32x4(lo01, lo23, 0xDD);
+      r[8 + x] = _mm512_shuffle_f32x4(hi01, hi23, 0x88);
+      r[12 + x] = _mm512_shuffle_f32x4(hi01, hi23, 0xDD);
+    }
+  }
   // Lane l + lane l + 8: the first step of the lane sum (then reduce8's tree).
   static __m256 fold_to_8(reg a) { return _mm256_add_ps(_mm512_castps512_ps256(a), upper_half(a)); }
   // Lanes 8 ... 15 (AVX-512F has no 32-bit-lane extract of a half; the 64-bit one moves the
@@ -354,6 +404,28 @@ struct F32x8 {
     return _mm256_maskload_ps(p, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kMask + 8 - n)));
   }
   static __m256 fold_to_8(reg a) { return a; }
+  // r[i] lane j -> r[j] lane i (an 8 x 8 block transposed): 32-bit then 64-bit interleaves
+  // within each group of four rows, then 128-bit ones across the two groups, in place.
+  // Cost: 24 shuffles.
+  static OVQ_ALWAYS_INLINE void transpose(reg r[8]) {
+    OVQ_UNROLL
+    for (int g = 0; g < 8; g += 4) {  // then r[g + x] half h: rows g .. g + 3 of column 4h + x
+      const reg t0 = _mm256_unpacklo_ps(r[g], r[g + 1]);
+      const reg t1 = _mm256_unpackhi_ps(r[g], r[g + 1]);
+      const reg t2 = _mm256_unpacklo_ps(r[g + 2], r[g + 3]);
+      const reg t3 = _mm256_unpackhi_ps(r[g + 2], r[g + 3]);
+      r[g] = _mm256_shuffle_ps(t0, t2, 0x44);
+      r[g + 1] = _mm256_shuffle_ps(t0, t2, 0xEE);
+      r[g + 2] = _mm256_shuffle_ps(t1, t3, 0x44);
+      r[g + 3] = _mm256_shuffle_ps(t1, t3, 0xEE);
+    }
+    OVQ_UNROLL
+    for (int x = 0; x < 4; ++x) {
+      const reg lo = _mm256_permute2f128_ps(r[x], r[4 + x], 0x20);
+      r[4 + x] = _mm256_permute2f128_ps(r[x], r[4 + x], 0x31);
+      r[x] = lo;
+    }
+  }
   static reg load(const bf16* p) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -699,10 +771,12 @@ struct SimdTileOps {
   static constexpr Index kKeyTile = 4 * W;  // one score row is 4 vectors
   using reg = typename V::reg;
 
-  // Register block: R query rows x 4 vectors of keys. Cost 2 R kKeyTile d flops.
-  template <int R>
-  static void scores_block(const float* q, Index q_stride, const float* panel, Index d,
-                           float beta, float* s) {
+  // Register block of scores_packed: R query rows x 4 vectors of keys from a panel (d x
+  // kKeyTile, key fastest), each lane one score's chain over the features in order (the portable
+  // kernel's operations). Cost 2 R kKeyTile d flops.
+  template <int R, class Q>
+  static void scores_block(const Q* q, Index q_stride, const float* panel, Index d, float beta,
+                           float* s) {
     reg acc[R][4];
     OVQ_UNROLL
     for (int i = 0; i < R; ++i)
@@ -714,7 +788,7 @@ struct SimdTileOps {
                 k3 = V::load(p + 3 * W);
       OVQ_UNROLL
       for (int i = 0; i < R; ++i) {
-        const reg a = V::set1(q[i * q_stride + k]);
+        const reg a = V::set1(widen(q[i * q_stride + k]));
         acc[i][0] = V::fmadd(a, k0, acc[i][0]);
         acc[i][1] = V::fmadd(a, k1, acc[i][1]);
         acc[i][2] = V::fmadd(a, k2, acc[i][2]);
@@ -728,7 +802,191 @@ struct SimdTileOps {
       for (int c = 0; c < 4; ++c) V::store(s + i * kKeyTile + c * W, V::mul(acc[i][c], b));
   }
 
+  // Rows per score block: 6 x 4 vectors on AVX-512 (24 chains of its 32 registers), 2 x 4 on
+  // AVX2 (8 chains, + 4 keys + 1 query of 16 registers); then 4, 2 and single rows.
   static constexpr int kScoreRows = W == 16 ? 6 : 2;
+
+  // All bq rows against a panel, one chain per score. Cost 2 bq kKeyTile d flops.
+  template <class Q>
+  static void chains_panel(const Q* q, Index q_stride, Index bq, const float* panel, Index d,
+                           float beta, float* s) {
+    Index i = 0;
+    for (; i + kScoreRows <= bq; i += kScoreRows)
+      scores_block<kScoreRows>(q + i * q_stride, q_stride, panel, d, beta, s + i * kKeyTile);
+    if constexpr (kScoreRows > 4)
+      for (; i + 4 <= bq; i += 4)
+        scores_block<4>(q + i * q_stride, q_stride, panel, d, beta, s + i * kKeyTile);
+    for (; i + 2 <= bq; i += 2)
+      scores_block<2>(q + i * q_stride, q_stride, panel, d, beta, s + i * kKeyTile);
+    for (; i < bq; ++i) scores_block<1>(q + i * q_stride, q_stride, panel, d, beta, s + i * kKeyTile);
+  }
+
+  // The panel of a key tile for lanes_panel: keys[j] (kKeyTile rows of d elements) -> feature
+  // rows of kKeyTile floats (key fastest, widened), feature k in row panel_row(k, d): lane m's
+  // features m, m + W, m + 2W, ... in consecutive rows, in the order its chain reads them.
+  // W x W blocks are transposed in registers; the pacing hook runs before each block with the
+  // scores' flops of bq rows over it.
+  // Cost: kKeyTile d loads and stores, kKeyTile d / W transposes' shuffles (log2 W each).
+  static Index panel_row(Index k, Index d) { return (k % W) * ((d + W - 1) / W) + k / W; }
+  static Index panel_floats(Index d) { return W * ((d + W - 1) / W) * kKeyTile; }
+
+  template <class Pacing>
+  static void pack_tile(const E* const* keys, Index d, Index bq, float* panel, Pacing& pacing) {
+    const Index d_main = d - d % W;
+    const Index steps = (d + W - 1) / W;
+    for (Index c = 0; c < kKeyTile; c += W) {
+      reg r[W];
+      for (Index k = 0; k < d_main; k += W) {
+        pacing.advance(2 * bq * W * W);
+        OVQ_UNROLL
+        for (Index j = 0; j < W; ++j) r[j] = V::load(keys[c + j] + k);
+        V::transpose(r);
+        OVQ_UNROLL
+        for (Index f = 0; f < W; ++f) V::store(panel + (f * steps + k / W) * kKeyTile + c, r[f]);
+      }
+      if (d_main < d) {  // the last d % W features
+        pacing.advance(2 * bq * W * (d - d_main));
+        for (Index j = 0; j < W; ++j) r[j] = V::load_first(keys[c + j] + d_main, d - d_main);
+        V::transpose(r);
+        for (Index f = 0; f < d - d_main; ++f)
+          V::store(panel + (f * steps + d_main / W) * kKeyTile + c, r[f]);
+      }
+    }
+  }
+
+  // The lane sums of dot_products and reduce8's tree (below), computed from a panel of the keys
+  // (pack_tile) where many rows share a tile: lane l's chain for W keys at once is one
+  // accumulator (the keys along the lanes), and the tree adds whole accumulators, so no shuffle
+  // is spent per score. The same operations on the same values as dot_products, padding
+  // features past d included (exact zeros, fused in as there): the same bits.
+  static constexpr bool kLanePanels = std::is_same_v<Dot, FmaDot<V, E>>;
+  // Rows from which scores_rows packs its tile: below, the packing's transposes cost more than
+  // the lane sums' shuffles it saves. (A read of many rows, and an assignment, pack every key
+  // tile once: pack_keys, scores_rows_packed.)
+  static constexpr Index kPanelMinRows = 32;
+  // Register block: R rows x C vectors of keys, N = R C accumulators, one lane's chain at a
+  // time (AVX-512: 4 x 4, a whole tile for four rows, 16 chains + 4 keys of 32 registers; AVX2:
+  // 2 x 4, 8 + 4 of 16).
+  static constexpr int kPanelRows = W == 16 ? 4 : 2, kPanelCols = 4;
+
+  // acc[r C + c] += q_r[k] K[c W ...][k] for R rows x C key vectors; row: feature k's row of
+  // the panel.
+  template <int R, int C, class Q>
+  static OVQ_ALWAYS_INLINE void panel_step(const Q* q, Index q_stride, const float* row,
+                                           Index k, reg* acc) {
+    reg kv[C];
+    OVQ_UNROLL
+    for (int c = 0; c < C; ++c) {
+      kv[c] = V::load(row + c * W);
+      if constexpr (R > 1) in_register(kv[c]);
+    }
+    OVQ_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const reg qv = V::set1(widen(q[r * q_stride + k]));
+      OVQ_UNROLL
+      for (int c = 0; c < C; ++c) acc[r * C + c] = V::fmadd(qv, kv[c], acc[r * C + c]);
+    }
+  }
+
+  // Lane m's chains (features m, m + W, ... below d, then a padded feature as dot_products has
+  // it: 0 * 0 added, which turns a -0 into +0) for R rows x C key vectors.
+  // Cost 2 R C W ceil(d / W) flops.
+  template <int R, int C, class Q>
+  static OVQ_ALWAYS_INLINE void lane_chains(const Q* q, Index q_stride, const float* panel,
+                                            Index d, Index m, reg* acc) {
+    OVQ_UNROLL
+    for (int x = 0; x < R * C; ++x) acc[x] = V::zero();
+    const Index steps = (d + W - 1) / W;
+    const float* row = panel + m * steps * kKeyTile;  // lane m's first feature row
+    Index k = m;
+    for (Index step = 0; step + 1 < steps; ++step, k += W, row += kKeyTile)
+      panel_step<R, C>(q, q_stride, row, k, acc);
+    if (k < d) {
+      panel_step<R, C>(q, q_stride, row, k, acc);
+    } else {
+      OVQ_UNROLL
+      for (int x = 0; x < R * C; ++x) acc[x] = V::fmadd(V::zero(), V::zero(), acc[x]);
+    }
+  }
+
+  // reduce8's tree over whole accumulators: with x_m = lane m + lane m + 8 (fold_to_8; on 8
+  // lanes x_m is lane m), ((x0 + x4) + (x2 + x6)) + ((x1 + x5) + (x3 + x7)), then times beta.
+  // The leaves go in the tree's order (leaf t is lane bit_reverse(t)), each level holding one
+  // pending left operand, as a binary counter carries: leaf t closes the levels of its trailing
+  // one bits, left + right.
+  template <int R, int C, class Q>
+  OVQ_NOINLINE static void lanes_block(const Q* q, Index q_stride, const float* panel, Index d,
+                                       Index c0, float beta, float* s) {
+    constexpr int N = R * C;
+    constexpr int kLevels = W == 16 ? 4 : 3;
+    const float* tile = panel + c0;
+    reg held[kLevels][N];
+    reg acc[N];
+    OVQ_UNROLL
+    for (int t = 0; t < W; ++t) {
+      int lane = 0;
+      for (int b = 0; b < kLevels; ++b) lane |= ((t >> b) & 1) << (kLevels - 1 - b);
+      lane_chains<R, C>(q, q_stride, tile, d, lane, acc);
+      int level = 0;
+      for (; (t >> level) & 1; ++level) {
+        OVQ_UNROLL
+        for (int x = 0; x < N; ++x) acc[x] = V::add(held[level][x], acc[x]);
+      }
+      if (level < kLevels) {
+        OVQ_UNROLL
+        for (int x = 0; x < N; ++x) held[level][x] = acc[x];
+      }
+    }
+    const reg b = V::set1(beta);
+    OVQ_UNROLL
+    for (int r = 0; r < R; ++r)
+      OVQ_UNROLL
+      for (int c = 0; c < C; ++c) V::store(s + r * kKeyTile + c0 + c * W, V::mul(acc[r * C + c], b));
+  }
+
+  // All bq rows against a panel by lanes_block (4, 2 or 1 rows at a time), the pacing hook told
+  // of each block's flops. Cost 2 bq kKeyTile d flops (and the padding's).
+  template <class Q, class Pacing>
+  static void lanes_panel(const Q* q, Index q_stride, Index bq, const float* panel, Index d,
+                          float beta, float* s, Pacing& pacing) {
+    constexpr int R = kPanelRows, C = kPanelCols;
+    Index i = 0;
+    const auto rows = [&](auto block_rows) {
+      constexpr int B = decltype(block_rows)::value;
+      for (Index c0 = 0; c0 < kKeyTile; c0 += C * W) {
+        pacing.advance(2 * B * C * W * d);
+        lanes_block<B, C>(q + i * q_stride, q_stride, panel, d, c0, beta, s + i * kKeyTile);
+      }
+      i += B;
+    };
+    while (i + R <= bq) rows(std::integral_constant<int, R>{});
+    if constexpr (R > 2)
+      while (i + 2 <= bq) rows(std::integral_constant<int, 2>{});
+    while (i < bq) rows(std::integral_constant<int, 1>{});
+  }
+
+  // Keys packed once for many calls (a read's query tiles, read_tiles.hpp; an assignment's row
+  // blocks, assign.hpp): the panels of lanes_panel, which scores_rows_packed reads (the same
+  // bits as scores_rows). Kernels whose scores are not lane sums of FmaDot pack nothing.
+  using PackedWord = float;
+  static bool packs_keys() { return kLanePanels; }
+  static Index packed_key_words(Index d) { return panel_floats(d); }
+  static void pack_keys(const E* const* keys, Index d, float* out) {
+    NoPacing none;
+    pack_tile(keys, d, 0, out, none);
+  }
+  template <class Q, class Pacing = NoPacing>
+  static void scores_rows_packed(const Q* q, Index q_stride, Index bq, const E* const* keys,
+                                 const float* packed, Index d, float beta, float* s,
+                                 Pacing pacing = {}) {
+    if constexpr (kLanePanels) {
+      (void)keys;
+      lanes_panel(q, q_stride, bq, packed, d, beta, s, pacing);
+    } else {
+      (void)packed;
+      scores_rows(q, q_stride, bq, keys, d, beta, s, pacing);
+    }
+  }
 
   // The R C partial dot products of R query rows x C keys, W lanes each: lane l of product
   // r C + c sums q_r[k] K[c][k] over its features of each step of Dot::kStep (FmaDot: k = l
@@ -793,17 +1051,34 @@ struct SimdTileOps {
     return _mm_mul_ps(reduce4(fold(0), fold(1), fold(2), fold(3)), _mm_set1_ps(beta));
   }
 
-  // Rows in blocks of 6 x 2 keys, then 4 x 2, then pairs in blocks of 2 x 4, a last odd row key
-  // by key (eight single products, then one reduce8): the same lanes and the same tree for every
-  // score, whatever its block. Six rows give 12 independent FMA chains, enough to fill both FMA
-  // pipes (2 keys + 1 query row + 12 accumulators fit AVX2's 16 registers). A single row (a
-  // decode step, streaming its keys from memory) reads the keys one after the other, in address
-  // order, which is what the hardware prefetcher follows.
+  // From kPanelMinRows rows (FmaDot), the tile transposed into a thread_local panel and
+  // lanes_panel; otherwise scores_lanes. The same bits either way.
   // q holds Es or Querys (the same values; Querys save widening a 16-bit query for every key).
   // Cost: 2 bq kKeyTile d flops.
   template <class Q, class Pacing = NoPacing>
   static void scores_rows(const Q* q, Index q_stride, Index bq, const E* const* keys,
                           Index d, float beta, float* s, Pacing pacing = {}) {
+    if constexpr (kLanePanels) {
+      if (bq >= kPanelMinRows) {
+        thread_local AlignedVector<float> panel;
+        panel.resize(static_cast<std::size_t>(panel_floats(d)));
+        pack_tile(keys, d, bq, panel.data(), pacing);
+        NoPacing packed;  // the pacing heard of the scores' flops while the tile was packed
+        return lanes_panel(q, q_stride, bq, panel.data(), d, beta, s, packed);
+      }
+    }
+    scores_lanes(q, q_stride, bq, keys, d, beta, s, pacing);
+  }
+
+  // The key rows in place: rows in blocks of 6 x 2 keys, then 4 x 2, then pairs in blocks of
+  // 2 x 4, a last odd row key by key (eight single products, then one reduce8): the same lanes
+  // and the same tree for every score, whatever its block. Six rows give 12 independent FMA
+  // chains, enough to fill both FMA pipes (2 keys + 1 query row + 12 accumulators fit AVX2's 16
+  // registers). A single row (a decode step, streaming its keys from memory) reads the keys one
+  // after the other, in address order, which is what the hardware prefetcher follows.
+  template <class Q, class Pacing>
+  static void scores_lanes(const Q* q, Index q_stride, Index bq, const E* const* keys,
+                           Index d, float beta, float* s, Pacing pacing) {
     Index i = 0;
     for (; i + 6 <= bq; i += 6) {
       for (Index c = 0; c < kKeyTile; c += 2) {
@@ -874,10 +1149,7 @@ struct SimdTileOps {
 
   static void scores_packed(const float* q, Index q_stride, Index bq, const float* panel,
                             Index d, float beta, float* s) {
-    Index i = 0;
-    for (; i + kScoreRows <= bq; i += kScoreRows)
-      scores_block<kScoreRows>(q + i * q_stride, q_stride, panel, d, beta, s + i * kKeyTile);
-    for (; i < bq; ++i) scores_block<1>(q + i * q_stride, q_stride, panel, d, beta, s + i * kKeyTile);
+    chains_panel(q, q_stride, bq, panel, d, beta, s);
   }
 
   // Slot indices are compared as floats (exact: kKeyTile is far below 2^24).
