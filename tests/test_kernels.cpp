@@ -339,7 +339,6 @@ void check_scores_rows(Index d, std::uint64_t seed) {
 template <class Element, class Arch>
 void check_panel_scores_match_rows(Index d, std::uint64_t seed) {
   using Ops = kernels::TileOps<Element, Arch>;
-  static_assert(Ops::kLanePanels, "a kernel that scores many rows from a panel");
   constexpr Index kTile = Ops::kKeyTile;
   const Index bq = 39;
   REQUIRE(bq >= Ops::kPanelMinRows);  // scores_rows takes the panel path
@@ -349,7 +348,8 @@ void check_panel_scores_match_rows(Index d, std::uint64_t seed) {
   std::vector<typename Ops::Query> q_held(q.size());
   for (Index x = 0; x < bq * d; ++x) {
     q[static_cast<std::size_t>(x)] = narrow<Element>(qf.data()[x]);
-    q_held[static_cast<std::size_t>(x)] = widen(q[static_cast<std::size_t>(x)]);
+    q_held[static_cast<std::size_t>(x)] =
+        static_cast<typename Ops::Query>(widen(q[static_cast<std::size_t>(x)]));
   }
   for (Index x = 0; x < kTile * d; ++x) k[static_cast<std::size_t>(x)] = narrow<Element>(kf.data()[x]);
   k[static_cast<std::size_t>(5 * d + d / 2)] = narrow<Element>(std::numeric_limits<float>::infinity());
@@ -389,6 +389,14 @@ void check_panel_scores_every_arch(Index d) {
 #if defined(OVQ_ARCH_AVX512)
   check_panel_scores_match_rows<Element, arch::avx512>(d, seed);
 #endif
+  if constexpr (std::is_same_v<Element, bf16>) {  // pair dot products
+#if defined(OVQ_ARCH_AVX2)
+    check_panel_scores_match_rows<Element, test::emulated_avx512bf16>(d, seed);
+#endif
+#if defined(OVQ_ARCH_AVX512BF16)
+    check_panel_scores_match_rows<Element, arch::avx512bf16>(d, seed);
+#endif
+  }
   (void)seed;
 }
 

@@ -122,6 +122,35 @@ struct EmulatedBf16PairDot {
     }
     return F32x16OnAvx2::load(lanes);
   }
+
+  // Keys along the lanes, as Bf16PairDot has them: a word (32 bits of a 16-lane register) is
+  // the pair of bf16 features (2l, 2l + 1), moved as raw bits.
+  static constexpr Index kLaneFeatures = 2;
+  using reg = F32x16OnAvx2::reg;
+  static reg words(const Operand& o) {
+    alignas(32) float bits[16];
+    std::memcpy(bits, o.x, sizeof bits);
+    return F32x16OnAvx2::load(bits);
+  }
+  static Operand operand(reg w) {
+    alignas(32) float bits[16];
+    F32x16OnAvx2::store(bits, w);
+    Operand o;
+    std::memcpy(o.x, bits, sizeof o.x);
+    return o;
+  }
+  static reg key_words(const bf16* p) { return words(load(p)); }
+  static reg key_words_first(const bf16* p, Index n) { return words(load_first(p, n)); }
+  static reg query_words_first(const bf16* q, Index k, Index d) {
+    Operand o;
+    for (int l = 0; l < 16; ++l) {
+      o.x[2 * l] = k < d ? q[k] : bf16(0.0f);
+      o.x[2 * l + 1] = k + 1 < d ? q[k + 1] : bf16(0.0f);
+    }
+    return words(o);
+  }
+  static reg query_words(const bf16* q, Index k) { return query_words_first(q, k, k + 2); }
+  static reg madd_words(reg q, reg k, reg acc) { return madd(operand(q), operand(k), acc); }
 };
 
 // kernels::simd::Bf16PairValues in software: every output entry, pair after pair of the tile's

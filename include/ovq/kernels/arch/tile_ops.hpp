@@ -584,6 +584,23 @@ struct FmaDot {
   static typename V::reg madd(Operand q, Operand k, typename V::reg acc) {
     return V::fmadd(q, k, acc);
   }
+
+  // The same sums with the keys along the lanes (SimdTileOps::lanes_panel): lane l of a step's
+  // words is one key's feature of that step's lane (one feature per lane here), the query's
+  // feature broadcast to every lane. *_first: features from n (or d) on are zeros.
+  static constexpr Index kLaneFeatures = 1;
+  using reg = typename V::reg;
+  template <class H>
+  static reg key_words(const H* p) { return V::load(p); }
+  template <class H>
+  static reg key_words_first(const H* p, Index n) { return V::load_first(p, n); }
+  template <class Q>
+  static reg query_words(const Q* q, Index k) { return V::set1(widen(q[k])); }
+  template <class Q>
+  static reg query_words_first(const Q* q, Index k, Index d) {
+    return k < d ? query_words(q, k) : V::zero();
+  }
+  static reg madd_words(reg q, reg k, reg acc) { return V::fmadd(q, k, acc); }
 };
 
 #if defined(OVQ_ARCH_AVX512BF16)
@@ -598,6 +615,27 @@ struct Bf16PairDot {
     return (__m512bh)_mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << n) - 1ull), p);
   }
   static __m512 madd(Operand q, Operand k, __m512 acc) { return _mm512_dpbf16_ps(acc, q, k); }
+
+  // Keys along the lanes (FmaDot's words): a word is a pair of bf16 features (2l, 2l + 1), the
+  // query's pair broadcast. The bits move through float registers untouched.
+  static constexpr Index kLaneFeatures = 2;
+  using reg = __m512;
+  static reg key_words(const bf16* p) { return _mm512_castsi512_ps((__m512i)load(p)); }
+  static reg key_words_first(const bf16* p, Index n) {
+    return _mm512_castsi512_ps((__m512i)load_first(p, n));
+  }
+  static reg query_words(const bf16* q, Index k) {
+    std::uint32_t pair;
+    std::memcpy(&pair, q + k, sizeof pair);
+    return _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(pair)));
+  }
+  static reg query_words_first(const bf16* q, Index k, Index d) {
+    bf16 pair[2] = {k < d ? q[k] : bf16(0.0f), k + 1 < d ? q[k + 1] : bf16(0.0f)};
+    return query_words(pair, 0);
+  }
+  static reg madd_words(reg q, reg k, reg acc) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_castps_si512(q), (__m512bh)_mm512_castps_si512(k));
+  }
 };
 #endif
 
@@ -821,35 +859,37 @@ struct SimdTileOps {
     for (; i < bq; ++i) scores_block<1>(q + i * q_stride, q_stride, panel, d, beta, s + i * kKeyTile);
   }
 
-  // The panel of a key tile for lanes_panel: keys[j] (kKeyTile rows of d elements) -> feature
-  // rows of kKeyTile floats (key fastest, widened), feature k in row panel_row(k, d): lane m's
-  // features m, m + W, m + 2W, ... in consecutive rows, in the order its chain reads them.
-  // W x W blocks are transposed in registers; the pacing hook runs before each block with the
+  // The panel of a key tile for lanes_panel: keys[j] (kKeyTile rows of d elements) -> rows of
+  // kKeyTile words (key fastest; Dot::key_words: floats, widened, or bf16 pairs), one per lane
+  // and step of Dot::kStep features: lane m's words of steps 0, 1, ... in consecutive rows, in
+  // the order its chain reads them. W x W blocks of words are transposed in registers (the last
+  // step's zero-filled past d, stored whole); the pacing hook runs before each block with the
   // scores' flops of bq rows over it.
   // Cost: kKeyTile d loads and stores, kKeyTile d / W transposes' shuffles (log2 W each).
-  static Index panel_row(Index k, Index d) { return (k % W) * ((d + W - 1) / W) + k / W; }
-  static Index panel_floats(Index d) { return W * ((d + W - 1) / W) * kKeyTile; }
+  static Index panel_steps(Index d) { return (d + Dot::kStep - 1) / Dot::kStep; }
+  static Index panel_floats(Index d) { return W * panel_steps(d) * kKeyTile; }
 
   template <class Pacing>
   static void pack_tile(const E* const* keys, Index d, Index bq, float* panel, Pacing& pacing) {
-    const Index d_main = d - d % W;
-    const Index steps = (d + W - 1) / W;
+    constexpr Index kStep = Dot::kStep;
+    const Index d_main = d - d % kStep;
+    const Index steps = panel_steps(d);
     for (Index c = 0; c < kKeyTile; c += W) {
       reg r[W];
-      for (Index k = 0; k < d_main; k += W) {
-        pacing.advance(2 * bq * W * W);
+      for (Index k = 0; k < d_main; k += kStep) {
+        pacing.advance(2 * bq * W * kStep);
         OVQ_UNROLL
-        for (Index j = 0; j < W; ++j) r[j] = V::load(keys[c + j] + k);
+        for (Index j = 0; j < W; ++j) r[j] = Dot::key_words(keys[c + j] + k);
         V::transpose(r);
         OVQ_UNROLL
-        for (Index f = 0; f < W; ++f) V::store(panel + (f * steps + k / W) * kKeyTile + c, r[f]);
+        for (Index f = 0; f < W; ++f) V::store(panel + (f * steps + k / kStep) * kKeyTile + c, r[f]);
       }
-      if (d_main < d) {  // the last d % W features
+      if (d_main < d) {
         pacing.advance(2 * bq * W * (d - d_main));
-        for (Index j = 0; j < W; ++j) r[j] = V::load_first(keys[c + j] + d_main, d - d_main);
+        for (Index j = 0; j < W; ++j) r[j] = Dot::key_words_first(keys[c + j] + d_main, d - d_main);
         V::transpose(r);
-        for (Index f = 0; f < d - d_main; ++f)
-          V::store(panel + (f * steps + d_main / W) * kKeyTile + c, r[f]);
+        for (Index f = 0; f < W; ++f)
+          V::store(panel + (f * steps + d_main / kStep) * kKeyTile + c, r[f]);
       }
     }
   }
@@ -858,8 +898,7 @@ struct SimdTileOps {
   // (pack_tile) where many rows share a tile: lane l's chain for W keys at once is one
   // accumulator (the keys along the lanes), and the tree adds whole accumulators, so no shuffle
   // is spent per score. The same operations on the same values as dot_products, padding
-  // features past d included (exact zeros, fused in as there): the same bits.
-  static constexpr bool kLanePanels = std::is_same_v<Dot, FmaDot<V, E>>;
+  // features past d included (exact zeros, multiplied in as there): the same bits.
   // Rows from which scores_rows packs its tile: below, the packing's transposes cost more than
   // the lane sums' shuffles it saves. (A read of many rows, and an assignment, pack every key
   // tile once: pack_keys, scores_rows_packed.)
@@ -869,11 +908,11 @@ struct SimdTileOps {
   // 2 x 4, 8 + 4 of 16).
   static constexpr int kPanelRows = W == 16 ? 4 : 2, kPanelCols = 4;
 
-  // acc[r C + c] += q_r[k] K[c W ...][k] for R rows x C key vectors; row: feature k's row of
-  // the panel.
-  template <int R, int C, class Q>
+  // acc[r C + c] = Dot::madd_words(q_r's words at feature k, key words of row), R rows x C key
+  // vectors. Checked: features from d on read as zeros (the last step).
+  template <int R, int C, bool kChecked, class Q>
   static OVQ_ALWAYS_INLINE void panel_step(const Q* q, Index q_stride, const float* row,
-                                           Index k, reg* acc) {
+                                           Index k, Index d, reg* acc) {
     reg kv[C];
     OVQ_UNROLL
     for (int c = 0; c < C; ++c) {
@@ -882,31 +921,30 @@ struct SimdTileOps {
     }
     OVQ_UNROLL
     for (int r = 0; r < R; ++r) {
-      const reg qv = V::set1(widen(q[r * q_stride + k]));
+      const reg qv = kChecked ? Dot::query_words_first(q + r * q_stride, k, d)
+                              : Dot::query_words(q + r * q_stride, k);
       OVQ_UNROLL
-      for (int c = 0; c < C; ++c) acc[r * C + c] = V::fmadd(qv, kv[c], acc[r * C + c]);
+      for (int c = 0; c < C; ++c) acc[r * C + c] = Dot::madd_words(qv, kv[c], acc[r * C + c]);
     }
   }
 
-  // Lane m's chains (features m, m + W, ... below d, then a padded feature as dot_products has
-  // it: 0 * 0 added, which turns a -0 into +0) for R rows x C key vectors.
-  // Cost 2 R C W ceil(d / W) flops.
+  // Lane m's chains over the steps for R rows x C key vectors; the last step is checked against
+  // d (a padded feature adds 0 * 0, as in dot_products). Cost 2 R C W kStep ceil(d / kStep) / W
+  // flops.
   template <int R, int C, class Q>
   static OVQ_ALWAYS_INLINE void lane_chains(const Q* q, Index q_stride, const float* panel,
                                             Index d, Index m, reg* acc) {
     OVQ_UNROLL
     for (int x = 0; x < R * C; ++x) acc[x] = V::zero();
-    const Index steps = (d + W - 1) / W;
-    const float* row = panel + m * steps * kKeyTile;  // lane m's first feature row
-    Index k = m;
-    for (Index step = 0; step + 1 < steps; ++step, k += W, row += kKeyTile)
-      panel_step<R, C>(q, q_stride, row, k, acc);
-    if (k < d) {
-      panel_step<R, C>(q, q_stride, row, k, acc);
-    } else {
-      OVQ_UNROLL
-      for (int x = 0; x < R * C; ++x) acc[x] = V::fmadd(V::zero(), V::zero(), acc[x]);
-    }
+    const Index steps = panel_steps(d);
+    const float* row = panel + m * steps * kKeyTile;  // lane m's first row
+    Index k = m * Dot::kLaneFeatures;                 // its first feature
+    for (Index step = 0; step + 1 < steps; ++step, k += Dot::kStep, row += kKeyTile)
+      panel_step<R, C, false>(q, q_stride, row, k, d, acc);
+    if (k + Dot::kLaneFeatures <= d)
+      panel_step<R, C, false>(q, q_stride, row, k, d, acc);
+    else
+      panel_step<R, C, true>(q, q_stride, row, k, d, acc);
   }
 
   // reduce8's tree over whole accumulators: with x_m = lane m + lane m + 8 (fold_to_8; on 8
@@ -967,9 +1005,9 @@ struct SimdTileOps {
 
   // Keys packed once for many calls (a read's query tiles, read_tiles.hpp; an assignment's row
   // blocks, assign.hpp): the panels of lanes_panel, which scores_rows_packed reads (the same
-  // bits as scores_rows). Kernels whose scores are not lane sums of FmaDot pack nothing.
+  // bits as scores_rows).
   using PackedWord = float;
-  static bool packs_keys() { return kLanePanels; }
+  static bool packs_keys() { return true; }
   static Index packed_key_words(Index d) { return panel_floats(d); }
   static void pack_keys(const E* const* keys, Index d, float* out) {
     NoPacing none;
@@ -979,13 +1017,8 @@ struct SimdTileOps {
   static void scores_rows_packed(const Q* q, Index q_stride, Index bq, const E* const* keys,
                                  const float* packed, Index d, float beta, float* s,
                                  Pacing pacing = {}) {
-    if constexpr (kLanePanels) {
-      (void)keys;
-      lanes_panel(q, q_stride, bq, packed, d, beta, s, pacing);
-    } else {
-      (void)packed;
-      scores_rows(q, q_stride, bq, keys, d, beta, s, pacing);
-    }
+    (void)keys;
+    lanes_panel(q, q_stride, bq, packed, d, beta, s, pacing);
   }
 
   // The R C partial dot products of R query rows x C keys, W lanes each: lane l of product
@@ -1051,21 +1084,19 @@ struct SimdTileOps {
     return _mm_mul_ps(reduce4(fold(0), fold(1), fold(2), fold(3)), _mm_set1_ps(beta));
   }
 
-  // From kPanelMinRows rows (FmaDot), the tile transposed into a thread_local panel and
+  // From kPanelMinRows rows, the tile transposed into a thread_local panel and
   // lanes_panel; otherwise scores_lanes. The same bits either way.
   // q holds Es or Querys (the same values; Querys save widening a 16-bit query for every key).
   // Cost: 2 bq kKeyTile d flops.
   template <class Q, class Pacing = NoPacing>
   static void scores_rows(const Q* q, Index q_stride, Index bq, const E* const* keys,
                           Index d, float beta, float* s, Pacing pacing = {}) {
-    if constexpr (kLanePanels) {
-      if (bq >= kPanelMinRows) {
-        thread_local AlignedVector<float> panel;
-        panel.resize(static_cast<std::size_t>(panel_floats(d)));
-        pack_tile(keys, d, bq, panel.data(), pacing);
-        NoPacing packed;  // the pacing heard of the scores' flops while the tile was packed
-        return lanes_panel(q, q_stride, bq, panel.data(), d, beta, s, packed);
-      }
+    if (bq >= kPanelMinRows) {
+      thread_local AlignedVector<float> panel;
+      panel.resize(static_cast<std::size_t>(panel_floats(d)));
+      pack_tile(keys, d, bq, panel.data(), pacing);
+      NoPacing packed;  // the pacing heard of the scores' flops while the tile was packed
+      return lanes_panel(q, q_stride, bq, panel.data(), d, beta, s, packed);
     }
     scores_lanes(q, q_stride, bq, keys, d, beta, s, pacing);
   }
