@@ -2,9 +2,10 @@
 // Nearest centroid by inner product, fused with the score tiles: each tile of scores is reduced
 // to a running argmax at once, so no L x n score matrix is kept. The scores are the read's
 // (TileOps::scores_rows): a row's scores, and so its assignment, are the same bits whatever the
-// other rows of the call. A call of many rows packs each centroid tile once where the kernels
-// score from packed keys (packs_keys_v); a few rows (a VQ decode step assigns one row against
-// the whole codebook) read the centroid rows in place.
+// other rows of the call. Where the kernels score from packed keys (packs_keys_v), each block
+// of up to 256 rows packs each centroid tile once; a few rows (a VQ decode step assigns one row
+// against the whole codebook) read the centroid rows in place. Memory: a block of rows in the
+// kernels' query type, one tile of scores, and one packed tile per thread.
 //
 //   best[i] = max_r (x_i . C[r] + offset[r]),  arg[i] = the smallest r reaching it
 //
@@ -68,7 +69,8 @@ void assign_nearest(ConstRowsView<Element> x, ConstRowsView<Element> centroids,
   using assign_detail::argmax_update;
   constexpr Index kTile = Ops::kKeyTile;
   constexpr Index kRows = 32;         // rows of x per score tile
-  constexpr Index kPackMinRows = 32;  // rows from which packing the centroids once pays
+  constexpr Index kBlockRows = 256;   // rows of x that share each packed centroid tile
+  constexpr Index kPackMinRows = 32;  // rows from which packing a centroid tile pays
   const Index n = centroids.rows;
   const Index d = x.cols;
   for (Index i = 0; i < x.rows; ++i) {
@@ -76,55 +78,49 @@ void assign_nearest(ConstRowsView<Element> x, ConstRowsView<Element> centroids,
     arg[i] = -1;
   }
   if (n == 0 || x.rows == 0) return;
-  AlignedVector<typename Ops::Query> x_rows(static_cast<std::size_t>(kRows * d));
+  AlignedVector<typename Ops::Query> x_rows(
+      static_cast<std::size_t>(std::min(kBlockRows, x.rows) * d));
   AlignedVector<Scalar> scores(static_cast<std::size_t>(kRows * kTile));
-  [[maybe_unused]] const TileSession<Ops> session;  // AMX: one tile configuration for all
-  // Slots past the last centroid repeat centroid r0; their scores are not looked at.
-  const auto tile_rows = [&](Index r0, const Element** rows) {
-    const Index br = std::min(kTile, n - r0);
-    for (Index j = 0; j < kTile; ++j) rows[j] = centroids.row(r0 + (j < br ? j : 0));
-  };
   using Packed = packed_word_t<Ops>;
-  thread_local AlignedVector<Packed> packed;  // every centroid tile, or empty
-  Index words = 0;
-  packed.clear();
-  if constexpr (packs_keys_v<Ops>) {
-    if (x.rows >= kPackMinRows && Ops::packs_keys()) {
-      words = Ops::packed_key_words(d);
-      packed.resize(static_cast<std::size_t>((n + kTile - 1) / kTile * words));
-      for (Index r0 = 0; r0 < n; r0 += kTile) {
-        const Element* rows[kTile];
-        tile_rows(r0, rows);
-        Ops::pack_keys(rows, d, packed.data() + r0 / kTile * words);
-      }
+  thread_local AlignedVector<Packed> panel;  // one packed centroid tile
+  [[maybe_unused]] const TileSession<Ops> session;  // AMX: one tile configuration for all
+  // Blocks of rows, each against every centroid tile in order (each row's running argmax sees
+  // the tiles in order, whatever the blocks): a tile is packed once per block of rows.
+  for (Index b0 = 0; b0 < x.rows; b0 += kBlockRows) {
+    const Index nb = std::min(kBlockRows, x.rows - b0);
+    for (Index i = 0; i < nb; ++i) copy_query(x.row(b0 + i), d, x_rows.data() + i * d);
+    bool pack = false;
+    if constexpr (packs_keys_v<Ops>) {
+      pack = nb >= kPackMinRows && Ops::packs_keys();
+      if (pack) panel.resize(static_cast<std::size_t>(Ops::packed_key_words(d)));
     }
-  }
-  for (Index i0 = 0; i0 < x.rows; i0 += kRows) {
-    const Index bq = std::min(kRows, x.rows - i0);
-    for (Index i = 0; i < bq; ++i)
-      copy_query(x.row(i0 + i), d, x_rows.data() + i * d);
     for (Index r0 = 0; r0 < n; r0 += kTile) {
       const Index br = std::min(kTile, n - r0);
+      // Slots past the last centroid repeat centroid r0; their scores are not looked at.
       const Element* rows[kTile];
-      tile_rows(r0, rows);
-      bool scored = false;
+      for (Index j = 0; j < kTile; ++j) rows[j] = centroids.row(r0 + (j < br ? j : 0));
       if constexpr (packs_keys_v<Ops>) {
-        if (!packed.empty()) {
-          Ops::scores_rows_packed(x_rows.data(), d, bq, rows, packed.data() + r0 / kTile * words,
-                                  d, Scalar(1), scores.data());
-          scored = true;
-        }
+        if (pack) Ops::pack_keys(rows, d, panel.data());
       }
-      if (!scored) Ops::scores_rows(x_rows.data(), d, bq, rows, d, Scalar(1), scores.data());
       const Scalar* tile_offset = offset != nullptr ? offset + r0 : nullptr;
-      for (Index i = 0; i < bq; ++i) {
-        const Scalar* row = scores.data() + i * kTile;
-        // Most tiles hold no score above the row's running best (centroids in random order:
-        // a row's best improves in about ln(n / kTile) + 1 of its n / kTile tiles, the
-        // expected number of records): one vector pass says so, and only the other tiles run
-        // the argmax's scalar loop.
-        if (arg[i0 + i] >= 0 && !Ops::any_greater(row, tile_offset, br, best[i0 + i])) continue;
-        argmax_update(row, tile_offset, br, r0, best[i0 + i], arg[i0 + i]);
+      for (Index i0 = 0; i0 < nb; i0 += kRows) {
+        const Index bq = std::min(kRows, nb - i0);
+        const typename Ops::Query* q = x_rows.data() + i0 * d;
+        if constexpr (packs_keys_v<Ops>) {
+          if (pack) Ops::scores_rows_packed(q, d, bq, rows, panel.data(), d, Scalar(1), scores.data());
+        }
+        if (!pack) Ops::scores_rows(q, d, bq, rows, d, Scalar(1), scores.data());
+        for (Index i = 0; i < bq; ++i) {
+          const Scalar* row = scores.data() + i * kTile;
+          Scalar& row_best = best[b0 + i0 + i];
+          Index& row_arg = arg[b0 + i0 + i];
+          // Most tiles hold no score above the row's running best (centroids in random order:
+          // a row's best improves in about ln(n / kTile) + 1 of its n / kTile tiles, the
+          // expected number of records): one vector pass says so, and only the other tiles
+          // run the argmax's scalar loop.
+          if (row_arg >= 0 && !Ops::any_greater(row, tile_offset, br, row_best)) continue;
+          argmax_update(row, tile_offset, br, r0, row_best, row_arg);
+        }
       }
     }
   }
