@@ -812,9 +812,9 @@ struct SimdTileOps {
   // Register block of scores_packed: R query rows x 4 vectors of keys from a panel (d x
   // kKeyTile, key fastest), each lane one score's chain over the features in order (the portable
   // kernel's operations). Cost 2 R kKeyTile d flops.
-  template <int R, class Q>
-  static void scores_block(const Q* q, Index q_stride, const float* panel, Index d, float beta,
-                           float* s) {
+  template <int R>
+  static void scores_block(const float* q, Index q_stride, const float* panel, Index d,
+                           float beta, float* s) {
     reg acc[R][4];
     OVQ_UNROLL
     for (int i = 0; i < R; ++i)
@@ -826,7 +826,7 @@ struct SimdTileOps {
                 k3 = V::load(p + 3 * W);
       OVQ_UNROLL
       for (int i = 0; i < R; ++i) {
-        const reg a = V::set1(widen(q[i * q_stride + k]));
+        const reg a = V::set1(q[i * q_stride + k]);
         acc[i][0] = V::fmadd(a, k0, acc[i][0]);
         acc[i][1] = V::fmadd(a, k1, acc[i][1]);
         acc[i][2] = V::fmadd(a, k2, acc[i][2]);
@@ -844,10 +844,8 @@ struct SimdTileOps {
   // AVX2 (8 chains, + 4 keys + 1 query of 16 registers); then 4, 2 and single rows.
   static constexpr int kScoreRows = W == 16 ? 6 : 2;
 
-  // All bq rows against a panel, one chain per score. Cost 2 bq kKeyTile d flops.
-  template <class Q>
-  static void chains_panel(const Q* q, Index q_stride, Index bq, const float* panel, Index d,
-                           float beta, float* s) {
+  static void scores_packed(const float* q, Index q_stride, Index bq, const float* panel,
+                            Index d, float beta, float* s) {
     Index i = 0;
     for (; i + kScoreRows <= bq; i += kScoreRows)
       scores_block<kScoreRows>(q + i * q_stride, q_stride, panel, d, beta, s + i * kKeyTile);
@@ -1176,11 +1174,6 @@ struct SimdTileOps {
         _mm256_storeu_ps(s + i * kKeyTile + c, _mm256_mul_ps(sums, _mm256_set1_ps(beta)));
       }
     }
-  }
-
-  static void scores_packed(const float* q, Index q_stride, Index bq, const float* panel,
-                            Index d, float beta, float* s) {
-    chains_panel(q, q_stride, bq, panel, d, beta, s);
   }
 
   // Slot indices are compared as floats (exact: kKeyTile is far below 2^24).
