@@ -432,6 +432,38 @@ TEST_CASE("bf16 scores by AVX512-BF16 pair dot products: within the bf16 bound, 
 }
 #endif
 
+#if defined(OVQ_ARCH_AVX512BF16)
+// The hardware's P V of a tile (Bf16PairValues: the few-rows kernels, with whole 32-column
+// chunks split into even and odd columns and 16-column blocks after them, and the packed kernel
+// of more rows) against its emulation, bit for bit, for widths around those chunks and blocks.
+TEST_CASE("bf16 P V by AVX512-BF16 pair dot products: the hardware == its emulation, any rows "
+          "and width",
+          "[half][arch][bf16dot]") {
+  constexpr Index kTile = 64;
+  for (const Index bq : {Index(1), Index(2), Index(3), Index(4), Index(5), Index(8), Index(9),
+                         Index(13)}) {
+    for (const Index dv : {Index(1), Index(15), Index(16), Index(24), Index(32), Index(40),
+                           Index(64), Index(96), Index(112), Index(128), Index(130)}) {
+      INFO("bq " << bq << " dv " << dv);
+      const auto seed = 900 + static_cast<std::uint64_t>(bq * 1000 + dv);
+      const Inputs<bf16> in = inputs<bf16>(1, 1, kTile, 1, dv, seed);
+      RowMatrix<float> p = random_matrix<float>(bq, kTile, seed + 1).cwiseAbs();
+      p(0, 3) = 0.0f;  // masked slots weigh exact zeros
+      const bf16* values[kTile];
+      for (Index j = 0; j < kTile; ++j) values[j] = in.v.data() + ((j * 7) % kTile) * dv;
+      const RowMatrix<float> acc0 = random_matrix<float>(bq, dv, seed + 2);
+      RowMatrix<float> hardware = acc0, emulated = acc0;
+      kernels::TileOps<bf16, arch::avx512bf16>::accumulate_tile(p.data(), bq, values, dv,
+                                                                hardware.data(), dv,
+                                                                kernels::NoPacing{});
+      test::EmulatedBf16PairValues::accumulate_tile(p.data(), bq, values, dv, emulated.data(), dv,
+                                                    kernels::NoPacing{});
+      CHECK(std::memcmp(hardware.data(), emulated.data(), sizeof(float) * bq * dv) == 0);
+    }
+  }
+}
+#endif
+
 // ---- bf16 reads on AMX tiles ----
 
 // Whether this process runs the hardware's tile kernels.

@@ -714,7 +714,12 @@ struct Bf16PairValues {
   template <int R, class Pacing>
   static void rows_direct(const std::uint32_t* w, const bf16* const* v, Index blocks, Index dv,
                           float* acc, Index acc_stride, Pacing pacing) {
+    // Whole chunks of 32 columns first, even and odd columns apart (direct_even_odd).
+    constexpr int kChunks = R <= 2 ? 4 : 2;
     Index b = 0;
+    for (; 16 * (b + 2 * kChunks) <= dv; b += 2 * kChunks)
+      direct_even_odd<R, kChunks>(w, v, b, acc, acc_stride, pacing);
+    for (; 16 * (b + 2) <= dv; b += 2) direct_even_odd<R, 1>(w, v, b, acc, acc_stride, pacing);
     if constexpr (R < 4)
       for (; b + 8 <= blocks; b += 8) direct<R, 8>(w, v, b, dv, acc, acc_stride, pacing);
     for (; b + 4 <= blocks; b += 4) direct<R, 4>(w, v, b, dv, acc, acc_stride, pacing);
@@ -753,6 +758,65 @@ struct Bf16PairValues {
       OVQ_UNROLL
       for (int r = 0; r < R; ++r)
         _mm512_mask_storeu_ps(acc + r * acc_stride + 16 * (b0 + g), mask[g], a[r][g]);
+  }
+
+  // direct() over G whole chunks of 32 columns from column 16 b0, without the interleaving
+  // shuffles: a chunk of value row 2m loads as 16 words (columns 2l, 2l + 1 in word l), and one
+  // shift and one word blend per row pair make the pairs of its even columns, and of its odd
+  // columns, each in the word layout vdpbf16ps reads (row 2m low, row 2m + 1 high). The
+  // accumulators hold even and odd columns apart (split as loaded, merged as stored). Every
+  // entry is the same vdpbf16ps chain on the same operands as in direct(): the same bits.
+  // Cost: per pair and chunk, two loads, two shifts, two blends and 2 R vdpbf16ps.
+  template <int R, int G, class Pacing>
+  static void direct_even_odd(const std::uint32_t* w, const bf16* const* v, Index b0,
+                              float* acc, Index acc_stride, Pacing pacing) {
+    const __m512i even_of = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                              28, 30);
+    const __m512i odd_of = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                             29, 31);
+    __m512 even[R][G], odd[R][G];
+    OVQ_UNROLL
+    for (int r = 0; r < R; ++r)
+      OVQ_UNROLL
+      for (int g = 0; g < G; ++g) {
+        const float* a = acc + r * acc_stride + 16 * b0 + 32 * g;
+        const __m512 lo = _mm512_loadu_ps(a), hi = _mm512_loadu_ps(a + 16);
+        even[r][g] = _mm512_permutex2var_ps(lo, even_of, hi);
+        odd[r][g] = _mm512_permutex2var_ps(lo, odd_of, hi);
+      }
+    constexpr __mmask32 kHighWords = 0xAAAAAAAAu;
+    for (Index m = 0; m < kPairs; ++m) {
+      if (m % 2 == 0) pacing.advance(2 * 2 * R * G * 32 * 2);
+      __m512bh weight[R];
+      OVQ_UNROLL
+      for (int r = 0; r < R; ++r)
+        weight[r] = (__m512bh)_mm512_set1_epi32(static_cast<int>(w[r * kPairs + m]));
+      OVQ_UNROLL
+      for (int g = 0; g < G; ++g) {
+        const Index col = 16 * b0 + 32 * g;
+        const __m512i e = _mm512_loadu_si512(reinterpret_cast<const void*>(v[2 * m] + col));
+        const __m512i o = _mm512_loadu_si512(reinterpret_cast<const void*>(v[2 * m + 1] + col));
+        const __m512i even_pairs = _mm512_mask_blend_epi16(kHighWords, e, _mm512_slli_epi32(o, 16));
+        const __m512i odd_pairs = _mm512_mask_blend_epi16(kHighWords, _mm512_srli_epi32(e, 16), o);
+        OVQ_UNROLL
+        for (int r = 0; r < R; ++r) {
+          even[r][g] = _mm512_dpbf16_ps(even[r][g], weight[r], (__m512bh)even_pairs);
+          odd[r][g] = _mm512_dpbf16_ps(odd[r][g], weight[r], (__m512bh)odd_pairs);
+        }
+      }
+    }
+    const __m512i low_of = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7,
+                                             23);
+    const __m512i high_of = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14,
+                                              30, 15, 31);
+    OVQ_UNROLL
+    for (int r = 0; r < R; ++r)
+      OVQ_UNROLL
+      for (int g = 0; g < G; ++g) {
+        float* a = acc + r * acc_stride + 16 * b0 + 32 * g;
+        _mm512_storeu_ps(a, _mm512_permutex2var_ps(even[r][g], low_of, odd[r][g]));
+        _mm512_storeu_ps(a + 16, _mm512_permutex2var_ps(even[r][g], high_of, odd[r][g]));
+      }
   }
 
   // R rows x column blocks of 4 vectors (then single vectors): 16 accumulators at most.
@@ -1021,16 +1085,18 @@ struct SimdTileOps {
 
   // The R C partial dot products of R query rows x C keys, W lanes each: lane l of product
   // r C + c sums q_r[k] K[c][k] over its features of each step of Dot::kStep (FmaDot: k = l
-  // mod W), in order. Cost 2 R C d flops. Returned by value: the accumulators are locals that
-  // nothing the loop reads can alias, so they stay in registers even where this is not inlined.
+  // mod W), in order. Cost 2 R C d flops. Returned by value, so that the accumulators are
+  // locals nothing the loop reads can alias; inlined into the block loops, where a call per
+  // block of a few rows (a decode step) kept its products from overlapping the previous block's
+  // reductions.
   template <int N>
   struct Products {
     reg at[N];
   };
 
   template <int R, int C, class Q>
-  static Products<R * C> dot_products(const Q* q, Index q_stride, const E* const* keys,
-                                      Index d) {
+  static OVQ_ALWAYS_INLINE Products<R * C> dot_products(const Q* q, Index q_stride,
+                                                        const E* const* keys, Index d) {
     const E* key[C];
     OVQ_UNROLL
     for (int c = 0; c < C; ++c) key[c] = keys[c];
@@ -1066,13 +1132,14 @@ struct SimdTileOps {
     return products;
   }
 
-  // Scores 0 ... 7 of a block, scaled by beta: lane x is product x's lane sum by reduce8's tree.
-  template <int N>
+  // Scores kFirst ... kFirst + 7 of a block, scaled by beta: lane x is product kFirst + x's lane
+  // sum by reduce8's tree.
+  template <int N, int kFirst = 0>
   static __m256 reduce_first8(const Products<N>& products, float beta) {
-    static_assert(N >= 8, "a block of at least eight products");
+    static_assert(N >= kFirst + 8, "a block of at least eight products from kFirst");
     __m256 folded[8];
     OVQ_UNROLL
-    for (int x = 0; x < 8; ++x) folded[x] = V::fold_to_8(products.at[x]);
+    for (int x = 0; x < 8; ++x) folded[x] = V::fold_to_8(products.at[kFirst + x]);
     return _mm256_mul_ps(reduce8(folded), _mm256_set1_ps(beta));
   }
 
@@ -1099,10 +1166,11 @@ struct SimdTileOps {
     scores_lanes(q, q_stride, bq, keys, d, beta, s, pacing);
   }
 
-  // The key rows in place: rows in blocks of 6 x 2 keys, then 4 x 2, then pairs in blocks of
-  // 2 x 4, a last odd row key by key (eight single products, then one reduce8): the same lanes
-  // and the same tree for every score, whatever its block. Six rows give 12 independent FMA
-  // chains, enough to fill both FMA pipes (2 keys + 1 query row + 12 accumulators fit AVX2's 16
+  // The key rows in place: rows in blocks of 6 x 2 keys, then 4 x 4 (AVX-512) or 4 x 2, then
+  // pairs in blocks of 2 x 4, a last odd row key by key (eight single products, then one
+  // reduce8; the query held in registers where d is 2, 4 or 8 steps): the same lanes and the
+  // same tree for every score, whatever its block. Six rows give 12 independent FMA chains,
+  // enough to fill both FMA pipes (2 keys + 1 query row + 12 accumulators fit AVX2's 16
   // registers). A single row (a decode step, streaming its keys from memory) reads the keys one
   // after the other, in address order, which is what the hardware prefetcher follows.
   template <class Q, class Pacing>
@@ -1128,7 +1196,23 @@ struct SimdTileOps {
       }
     }
     // Four rows (a grouped-query decode step of 4 query heads): each key loaded once for all
-    // four, where two pairs would load it twice.
+    // four, where two pairs would load it twice. On AVX-512, blocks of 4 x 4 (16 chains and 4
+    // keys of its 32 registers: a block's loop and its reductions amortised over twice the
+    // scores), each row's four scores stored whole.
+    if constexpr (W == 16) {
+      for (; i + 4 <= bq; i += 4) {
+        for (Index c = 0; c < kKeyTile; c += 4) {
+          pacing.advance(2 * 4 * 4 * d);
+          const auto acc = dot_products<4, 4>(q + i * q_stride, q_stride, keys + c, d);
+          const __m256 first = reduce_first8<16, 0>(acc, beta);   // rows i, i + 1
+          const __m256 second = reduce_first8<16, 8>(acc, beta);  // rows i + 2, i + 3
+          _mm_storeu_ps(s + i * kKeyTile + c, _mm256_castps256_ps128(first));
+          _mm_storeu_ps(s + (i + 1) * kKeyTile + c, _mm256_extractf128_ps(first, 1));
+          _mm_storeu_ps(s + (i + 2) * kKeyTile + c, _mm256_castps256_ps128(second));
+          _mm_storeu_ps(s + (i + 3) * kKeyTile + c, _mm256_extractf128_ps(second, 1));
+        }
+      }
+    }
     for (; i + 4 <= bq; i += 4) {
       for (Index c = 0; c < kKeyTile; c += 2) {
         pacing.advance(2 * 4 * 2 * d);
@@ -1151,28 +1235,72 @@ struct SimdTileOps {
       }
     }
     for (; i < bq; ++i) {
+      const Q* row = q + i * q_stride;
+      float* out = s + i * kKeyTile;
+      if (d % Dot::kStep == 0) {
+        switch (d / Dot::kStep) {
+          case 2: scores_row_held<2>(row, keys, beta, out, pacing); continue;
+          case 4: scores_row_held<4>(row, keys, beta, out, pacing); continue;
+          case 8:
+            if constexpr (W == 16) {
+              scores_row_held<8>(row, keys, beta, out, pacing);
+              continue;
+            }
+            break;
+          default: break;
+        }
+      }
       for (Index c = 0; c < kKeyTile; c += 8) {
         pacing.advance(2 * 8 * d);
-        // reduce8's tree applied as the products come (the same operations as reduce_first8):
-        // two partial sums stay live instead of eight products. Eight do not fit in registers
-        // beside the loop's own, and the compiler would keep every accumulator, the running one
-        // included, on the stack (a store and a load in each step's dependency chain). Key j is
-        // named before key j + 1 so that the keys are read in address order.
         const auto product = [&](int j) {
-          return V::fold_to_8(dot_products<1, 1>(q + i * q_stride, q_stride, keys + c + j, d).at[0]);
+          return V::fold_to_8(dot_products<1, 1>(row, q_stride, keys + c + j, d).at[0]);
         };
-        const auto quarter = [&](int j) {
-          const __m256 a = product(j);
-          return reduce8_level1(a, product(j + 1));
-        };
-        const auto half = [&](int j) {
-          const __m256 a = quarter(j);
-          return reduce8_level2(a, quarter(j + 2));
-        };
-        const __m256 first = half(0);
-        const __m256 sums = reduce8_level3(first, half(4));
-        _mm256_storeu_ps(s + i * kKeyTile + c, _mm256_mul_ps(sums, _mm256_set1_ps(beta)));
+        _mm256_storeu_ps(out + c, _mm256_mul_ps(eight_sums(product), _mm256_set1_ps(beta)));
       }
+    }
+  }
+
+  // The lane sums of eight products, product(0) ... product(7) (each folded to 8 lanes), by
+  // reduce8's tree applied as they come (the same operations as reduce_first8): two partial
+  // sums stay live instead of eight products. Eight do not fit in registers beside a dot
+  // product's own, and the compiler would keep every accumulator, the running one included, on
+  // the stack (a store and a load in each step's dependency chain). Product j is asked for
+  // before product j + 1, so that keys are read in address order.
+  template <class Product>
+  static OVQ_ALWAYS_INLINE __m256 eight_sums(const Product& product) {
+    const auto quarter = [&](int j) {
+      const __m256 a = product(j);
+      return reduce8_level1(a, product(j + 1));
+    };
+    const auto half = [&](int j) {
+      const __m256 a = quarter(j);
+      return reduce8_level2(a, quarter(j + 2));
+    };
+    const __m256 first = half(0);
+    return reduce8_level3(first, half(4));
+  }
+
+  // One query row of N Dot::kSteps (d = N kStep) against a key tile, the query held in
+  // registers (a decode step: loaded once per tile, not once per key; the loop over a key's
+  // features unrolled). The same operations in the same order as dot_products<1, 1>: the same
+  // bits. Cost: 2 kKeyTile d flops.
+  template <int N, class Q, class Pacing>
+  static void scores_row_held(const Q* q, const E* const* keys, float beta, float* s,
+                              Pacing& pacing) {
+    constexpr Index kStep = Dot::kStep;
+    typename Dot::Operand qv[N];
+    OVQ_UNROLL
+    for (int n = 0; n < N; ++n) qv[n] = Dot::load(q + n * kStep);
+    for (Index c = 0; c < kKeyTile; c += 8) {
+      pacing.advance(2 * 8 * N * kStep);
+      const auto product = [&](int j) {
+        const E* key = keys[c + j];
+        reg acc = V::zero();
+        OVQ_UNROLL
+        for (int n = 0; n < N; ++n) acc = Dot::madd(qv[n], Dot::load(key + n * kStep), acc);
+        return V::fold_to_8(acc);
+      };
+      _mm256_storeu_ps(s + c, _mm256_mul_ps(eight_sums(product), _mm256_set1_ps(beta)));
     }
   }
 
