@@ -727,6 +727,15 @@ struct Bf16PairValues {
     for (; b < blocks; ++b) direct<R, 1>(w, v, b, dv, acc, acc_stride, pacing);
   }
 
+  // Rows 0 ... R - 1's weights of pair m (P[2m] low, P[2m + 1] high), broadcast.
+  template <int R>
+  static OVQ_ALWAYS_INLINE void pair_weights(const std::uint32_t* w, Index m,
+                                             __m512bh (&weight)[R]) {
+    OVQ_UNROLL
+    for (int r = 0; r < R; ++r)
+      weight[r] = (__m512bh)_mm512_set1_epi32(static_cast<int>(w[r * kPairs + m]));
+  }
+
   template <int R, int G, class Pacing>
   static void direct(const std::uint32_t* w, const bf16* const* v, Index b0, Index dv,
                      float* acc, Index acc_stride, Pacing pacing) {
@@ -742,9 +751,7 @@ struct Bf16PairValues {
     for (Index m = 0; m < kPairs; ++m) {
       if (m % 2 == 0) pacing.advance(2 * 2 * R * G * 16 * 2);
       __m512bh weight[R];
-      OVQ_UNROLL
-      for (int r = 0; r < R; ++r)
-        weight[r] = (__m512bh)_mm512_set1_epi32(static_cast<int>(w[r * kPairs + m]));
+      pair_weights<R>(w, m, weight);
       OVQ_UNROLL
       for (int g = 0; g < G; ++g) {
         const Index col = 16 * (b0 + g);
@@ -788,9 +795,7 @@ struct Bf16PairValues {
     for (Index m = 0; m < kPairs; ++m) {
       if (m % 2 == 0) pacing.advance(2 * 2 * R * G * 32 * 2);
       __m512bh weight[R];
-      OVQ_UNROLL
-      for (int r = 0; r < R; ++r)
-        weight[r] = (__m512bh)_mm512_set1_epi32(static_cast<int>(w[r * kPairs + m]));
+      pair_weights<R>(w, m, weight);
       OVQ_UNROLL
       for (int g = 0; g < G; ++g) {
         const Index col = 16 * b0 + 32 * g;
