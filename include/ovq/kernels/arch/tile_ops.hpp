@@ -709,20 +709,18 @@ struct Bf16PairValues {
       rows<1>(w + i * kPairs, packed.data(), blocks, dv, acc + i * acc_stride, acc_stride, pacing);
   }
 
-  // R <= 4 rows: column blocks in groups held in registers (up to 8, 4 for four rows), pair after
-  // pair, so that each value row is read whole, in address order (as a decode step streams it).
+  // R <= 4 rows: whole chunks of 32 columns in groups held in registers (direct_even_odd: 4
+  // chunks, 2 for three or four rows), then the last one or two 16-column blocks (direct), pair
+  // after pair, so that each value row is read whole, in address order (as a decode step
+  // streams it).
   template <int R, class Pacing>
   static void rows_direct(const std::uint32_t* w, const bf16* const* v, Index blocks, Index dv,
                           float* acc, Index acc_stride, Pacing pacing) {
-    // Whole chunks of 32 columns first, even and odd columns apart (direct_even_odd).
     constexpr int kChunks = R <= 2 ? 4 : 2;
     Index b = 0;
     for (; 16 * (b + 2 * kChunks) <= dv; b += 2 * kChunks)
       direct_even_odd<R, kChunks>(w, v, b, acc, acc_stride, pacing);
     for (; 16 * (b + 2) <= dv; b += 2) direct_even_odd<R, 1>(w, v, b, acc, acc_stride, pacing);
-    if constexpr (R < 4)
-      for (; b + 8 <= blocks; b += 8) direct<R, 8>(w, v, b, dv, acc, acc_stride, pacing);
-    for (; b + 4 <= blocks; b += 4) direct<R, 4>(w, v, b, dv, acc, acc_stride, pacing);
     for (; b + 2 <= blocks; b += 2) direct<R, 2>(w, v, b, dv, acc, acc_stride, pacing);
     for (; b < blocks; ++b) direct<R, 1>(w, v, b, dv, acc, acc_stride, pacing);
   }
