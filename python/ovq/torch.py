@@ -1,4 +1,4 @@
-"""ovq.torch: the mixers as PyTorch custom ops and nn.Module layers.
+"""ovq.torch: the mixers as PyTorch operators and nn.Module layers.
 
     import torch, ovq, ovq.torch
     layer = ovq.torch.Attention(ovq.OVQAttention(capacity=1024), batch=1, query_heads=8,
@@ -13,84 +13,54 @@ graph break (each op has a fake implementation giving its output's shape). In ea
 layer calls the extension directly. The ops are forward only: backward through them raises a
 RuntimeError saying so. ``state_dict()`` carries the states'
 bytes (the state file), so ``torch.save`` / ``load_state_dict`` round-trip them bitwise.
+
+The ops torch.ops.ovq.{forward, forward_lse, step, absorb} are registered in C++
+(ovq._torch_ops, built where PyTorch was importable when ovq was built) while the PyTorch
+installed is the one it was built against; otherwise, or with the environment variable
+OVQ_TORCH_OPS=python, they are registered in Python (ovq._torch_python_ops: the same results,
+more time per call). ``NATIVE_OPS`` says which.
 """
 
-import itertools
-import threading
-import weakref
+import os
+import warnings
 
 import torch
 
 import ovq
 
-__all__ = ["Attention", "OVQAttention", "SelfAttention", "LinearAttention", "VQAttention"]
-
-# handle -> MultiHead layer, for the ops (which see tensors only); the module owns the layer.
-_LAYERS = weakref.WeakValueDictionary()
-_NEXT_HANDLE = itertools.count(1)
-_LOCK = threading.Lock()
-
-
-def _layer(handle):
-    try:
-        return _LAYERS[handle.item()]
-    except KeyError:
-        raise RuntimeError(f"ovq.torch: no layer has handle {handle.item()} (it was freed)") from None
-
-
-def _register(layer):
-    with _LOCK:
-        h = next(_NEXT_HANDLE)
-        _LAYERS[h] = layer
-    return h
-
+__all__ = ["Attention", "OVQAttention", "SelfAttention", "LinearAttention", "VQAttention",
+           "NATIVE_OPS"]
 
 _FORWARD_ONLY = ("ovq.torch: the ovq ops are forward only; there is no backward through "
                  "{name} (detach its inputs, or run it under torch.no_grad())")
 
 
-@torch.library.custom_op("ovq::forward", mutates_args=("handle",))
-def _forward_op(handle: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                threads: int) -> torch.Tensor:
-    return _layer(handle).forward(q, k, v, threads=threads)
+def _load_native_ops():
+    """Registers the C++ ops (ovq._torch_ops) if they can serve this PyTorch; says whether."""
+    if os.environ.get("OVQ_TORCH_OPS", "") == "python":
+        return False
+    try:
+        from ovq import _torch_ops_build
+    except ImportError:  # ovq was built where PyTorch was not importable
+        return False
+    if _torch_ops_build.torch_version != torch.__version__:
+        warnings.warn(f"ovq._torch_ops was built against PyTorch {_torch_ops_build.torch_version}, "
+                      f"not {torch.__version__}: torch.ops.ovq.* run in Python, which costs more "
+                      "per call (rebuild ovq to have them in C++)", RuntimeWarning, stacklevel=3)
+        return False
+    from ovq import _torch_ops  # noqa: F401  (registers torch.ops.ovq.* with the dispatcher)
+
+    return True
 
 
-@_forward_op.register_fake
-def _(handle, q, k, v, threads):
-    return q.new_empty(q.shape[:-1] + (v.shape[-1],))
+NATIVE_OPS = _load_native_ops()
 
-
-@torch.library.custom_op("ovq::forward_lse", mutates_args=("handle",))
-def _forward_lse_op(handle: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    threads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return _layer(handle).forward(q, k, v, return_lse=True, threads=threads)
-
-
-@_forward_lse_op.register_fake
-def _(handle, q, k, v, threads):
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return (q.new_empty(q.shape[:-1] + (v.shape[-1],)), q.new_empty(q.shape[:-1], dtype=lse_dtype))
-
-
-@torch.library.custom_op("ovq::step", mutates_args=("handle",))
-def _step_op(handle: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             threads: int) -> torch.Tensor:
-    return _layer(handle).step(q, k, v, threads=threads)
-
-
-@_step_op.register_fake
-def _(handle, q, k, v, threads):
-    return q.new_empty(q.shape[:-1] + (v.shape[-1],))
-
-
-@torch.library.custom_op("ovq::absorb", mutates_args=("handle",))
-def _absorb_op(handle: torch.Tensor, k: torch.Tensor, v: torch.Tensor, threads: int) -> None:
-    _layer(handle).absorb(k, v, threads=threads)
-
-
-@_absorb_op.register_fake
-def _(handle, k, v, threads):
-    return None
+if NATIVE_OPS:
+    def _register(layer):
+        """The handle the ops know `layer` by (the extension's; it dies with the layer)."""
+        return layer._impl._op_handle()
+else:
+    from ovq._torch_python_ops import register as _register
 
 
 class _ForwardOnly(torch.autograd.Function):

@@ -8,7 +8,9 @@
 // read-only output, memory on another device, outputs overlapping inputs. The library's own
 // checks (shapes against the state, finite inputs) run before any state changes and come back
 // as ValueError. While a mixer computes the GIL is released and the state's lock held, so two
-// Python threads may share a state without a data race (they take turns).
+// Python threads may share a state without a data race (they take turns). The multi-head layers
+// are also reachable from C, by handle, through the table of op_table.h (ovq._torch_ops's
+// PyTorch operators call it without the GIL).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -18,6 +20,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -28,6 +31,7 @@
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <unordered_map>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -38,6 +42,7 @@
 
 #include "ovq/ovq.hpp"
 #include "ovq/ref/reference.hpp"
+#include "op_table.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -97,7 +102,27 @@ std::string str(const Parts&... parts) {
   return out.str();
 }
 
-std::string shape_string(const nb::ndarray<nb::ro>& a) {
+// An array described by the torch ops (op_table.h): nb::ndarray's accessors over plain values,
+// so that the same checks and reads run without the GIL (an nb::ndarray needs it to be made and
+// freed).
+struct PlainArray {
+  const ops::Array* a;
+  std::int32_t device_type() const { return a->device_type; }
+  nb::dlpack::dtype dtype() const { return {a->code, a->bits, 1}; }
+  std::size_t ndim() const { return static_cast<std::size_t>(a->ndim); }
+  std::size_t shape(std::size_t i) const { return static_cast<std::size_t>(a->shape[i]); }
+  std::int64_t stride(std::size_t i) const { return a->strides[i]; }
+  std::size_t size() const {
+    std::size_t n = 1;
+    for (std::size_t i = 0; i < ndim(); ++i) n *= shape(i);
+    return n;
+  }
+  std::size_t nbytes() const { return size() * a->bits / 8; }
+  void* data() const { return a->data; }
+};
+
+template <class A>
+std::string shape_string(const A& a) {
   std::string s = "(";
   for (std::size_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
   return s + (a.ndim() == 1 ? ",)" : ")");
@@ -123,8 +148,8 @@ InArray as_input(const A& a) {
 
 // `name` must be a C-contiguous, aligned CPU array of `ndim` dimensions (`dims` in messages) and
 // element S.
-template <class S>
-void check_array(const char* where, const char* name, const InArray& a, std::size_t ndim,
+template <class S, class A>
+void check_array(const char* where, const char* name, const A& a, std::size_t ndim,
                  const char* dims) {
   if (a.device_type() != nb::device::cpu::value)
     throw nb::type_error(str(where, ": ", name, " is on a device (DLPack device type ",
@@ -159,8 +184,8 @@ void check_array(const char* where, const char* name, const InArray& a, std::siz
 }
 
 // The array as rows: its last dimension is the row, every other one stacks rows.
-template <class S>
-ConstRowsView<S> rows_of(const InArray& a) {
+template <class S, class A>
+ConstRowsView<S> rows_of(const A& a) {
   Index cols = a.ndim() == 0 ? 1 : static_cast<Index>(a.shape(a.ndim() - 1));
   Index rows = 1;
   for (std::size_t i = 0; i + 1 < a.ndim(); ++i) rows *= static_cast<Index>(a.shape(i));
@@ -171,20 +196,29 @@ RowsView<S> rows_of(const OutArray& a) {
   const ConstRowsView<S> r = rows_of<S>(as_input(a));
   return {const_cast<S*>(r.data), r.rows, r.cols, r.stride};
 }
+// An output's rows, writable.
+template <class S, class A>
+RowsView<S> out_rows_of(const A& a) {
+  const ConstRowsView<S> r = rows_of<S>(a);
+  return {const_cast<S*>(r.data), r.rows, r.cols, r.stride};
+}
+inline const PlainArray& as_input(const PlainArray& a) { return a; }
 
 struct ByteRange {
   const char* first;
   const char* last;
 };
-ByteRange bytes_of(const InArray& a) {
+template <class A>
+ByteRange bytes_of(const A& a) {
   const char* p = static_cast<const char*>(a.data());
   return {p, p + a.nbytes()};
 }
 
 // Outputs must not share memory with the inputs (or each other): a read would see its own
 // results half written.
-void check_disjoint(const char* where, const char* out_name, const InArray& out,
-                    std::initializer_list<std::pair<const char*, const InArray*>> others) {
+template <class A>
+void check_disjoint(const char* where, const char* out_name, const A& out,
+                    std::initializer_list<std::pair<const char*, const A*>> others) {
   const ByteRange o = bytes_of(out);
   if (o.first == o.last) return;
   for (const auto& [name, arr] : others) {
@@ -569,6 +603,21 @@ class ThreadScope {
   int previous_ = 0;
 };
 
+// Gives up the GIL for a scope where this thread holds it: a layer's Python methods hold it,
+// the torch ops' calls (op_table.h) do not.
+class WithoutGil {
+ public:
+  WithoutGil() : saved_(PyGILState_Check() ? PyEval_SaveThread() : nullptr) {}
+  ~WithoutGil() {
+    if (saved_ != nullptr) PyEval_RestoreThread(saved_);
+  }
+  WithoutGil(const WithoutGil&) = delete;
+  WithoutGil& operator=(const WithoutGil&) = delete;
+
+ private:
+  PyThreadState* saved_;
+};
+
 // ---- options from keyword arguments, and back ----
 
 const char* feature_map_name(FeatureMap m) {
@@ -942,6 +991,35 @@ void check_codebook(const InArray& codebook) {
 
 // ---- the multi-head layer ----
 
+// What an op handle (op_table.h) names: its layer, while the layer lives. An op's call holds
+// `lock` throughout, and the layer's destructor takes it to clear `layer`, so a layer is never
+// freed under a call.
+struct LayerOps;
+struct OpTarget {
+  std::mutex lock;
+  void* layer = nullptr;          // a PyMultiHead<F>
+  const LayerOps* ops = nullptr;  // its family's calls
+};
+
+// handle -> target, for every layer that was given a handle and still lives.
+struct OpRegistry {
+  std::mutex lock;
+  std::unordered_map<std::int64_t, std::shared_ptr<OpTarget>> targets;
+  std::int64_t next = 1;
+};
+OpRegistry& op_registry() {
+  // Never destroyed: layers can outlive the module's teardown at exit.
+  static OpRegistry* registry = new OpRegistry;
+  return *registry;
+}
+
+std::shared_ptr<OpTarget> find_op_target(std::int64_t handle) {
+  OpRegistry& r = op_registry();
+  std::lock_guard<std::mutex> lock(r.lock);
+  const auto it = r.targets.find(handle);
+  return it == r.targets.end() ? nullptr : it->second;
+}
+
 template <class F>
 struct PyMultiHead {
   template <class S>
@@ -955,20 +1033,38 @@ struct PyMultiHead {
     return layer;
   }
   PyMultiHead& operator=(const PyMultiHead&) = delete;
+  ~PyMultiHead() {
+    if (op_target == nullptr) return;
+    {
+      OpRegistry& r = op_registry();
+      std::lock_guard<std::mutex> lock(r.lock);
+      r.targets.erase(op_handle);
+    }
+    std::lock_guard<std::mutex> lock(op_target->lock);  // waits for an op's call in flight
+    op_target->layer = nullptr;
+  }
 
   typename F::Options options;
   Variant layer;
   std::unique_ptr<std::mutex> mutex = std::make_unique<std::mutex>();
+  // The handle the torch ops know this layer by (0: none yet; a copy gets its own).
+  std::int64_t op_handle = 0;
+  std::shared_ptr<OpTarget> op_target;
 };
 
 // The layer's forward (ndim 4: q (B, Hq, T, dk), k, v (B, Hkv, T, d), out (B, Hq, T, dv), lse
 // (B, Hq, T) or none) and step (ndim 3: the same without T). The leading dimensions are checked
 // against the layer's: the layer itself sees only rows, and (B, H) of another split with the
 // same product would be read as a different layout.
-template <class F>
-void mh_read(const char* where, std::size_t ndim, PyMultiHead<F>& self, const InArray& q,
-             const InArray& k, const InArray& v, const OutArray& out,
-             const std::optional<OutArray>& lse, int threads) {
+// (Out is deduced from `out` alone, so that lse may be std::nullopt.)
+template <class T>
+struct Same {
+  using type = T;
+};
+template <class F, class In, class Out>
+void mh_read(const char* where, std::size_t ndim, PyMultiHead<F>& self, const In& q,
+             const In& k, const In& v, const Out& out,
+             const std::optional<typename Same<Out>::type>& lse, int threads) {
   const bool tokens = ndim == 4;
   std::visit(
       [&](auto& layer) {
@@ -976,11 +1072,11 @@ void mh_read(const char* where, std::size_t ndim, PyMultiHead<F>& self, const In
         check_array<S>(where, "q", q, ndim, tokens ? "(B, Hq, T, dk)" : "(B, Hq, dk)");
         check_array<S>(where, "k", k, ndim, tokens ? "(B, Hkv, T, dk)" : "(B, Hkv, dk)");
         check_array<S>(where, "v", v, ndim, tokens ? "(B, Hkv, T, dv)" : "(B, Hkv, dv)");
-        const InArray out_in = as_input(out);
+        const In& out_in = as_input(out);
         check_array<S>(where, "out", out_in, ndim, tokens ? "(B, Hq, T, dv)" : "(B, Hq, dv)");
         check_disjoint(where, "out", out_in, {{"q", &q}, {"k", &k}, {"v", &v}});
         const Index t = tokens ? static_cast<Index>(q.shape(2)) : 1;
-        const auto want = [&](const char* name, const InArray& a, Index h) {
+        const auto want = [&](const char* name, const In& a, Index h) {
           if (static_cast<Index>(a.shape(0)) != layer.batch() ||
               static_cast<Index>(a.shape(1)) != h ||
               (tokens && static_cast<Index>(a.shape(2)) != t))
@@ -998,15 +1094,15 @@ void mh_read(const char* where, std::size_t ndim, PyMultiHead<F>& self, const In
           if (!MixerOf<F, S>::kHasLogSumExp)
             throw nb::value_error("forward: return_lse: linear attention has no softmax, so no "
                                   "log-sum-exp");
-          const InArray lse_in = as_input(*lse);
+          const In& lse_in = as_input(*lse);
           check_array<Compute<S>>(where, "lse", lse_in, 3, "(B, Hq, T)");
           want("lse", lse_in, layer.query_heads());
           check_disjoint(where, "lse", lse_in, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out_in}});
           lse_ptr = static_cast<Compute<S>*>(lse->data());
         }
         const ConstRowsView<S> qv = rows_of<S>(q), kv = rows_of<S>(k), vv = rows_of<S>(v);
-        const RowsView<S> ov = rows_of<S>(out);
-        nb::gil_scoped_release release;
+        const RowsView<S> ov = out_rows_of<S>(out);
+        WithoutGil release;
         std::lock_guard<std::mutex> lock(*self.mutex);
         ThreadScope scope(threads);
         using Map = Eigen::Map<const RowMatrix<S>>;
@@ -1045,8 +1141,8 @@ NewOutput mh_new_step_output(PyMultiHead<F>& self, nb::handle like, const InArra
       self.layer);
 }
 
-template <class F>
-void mh_absorb(PyMultiHead<F>& self, const InArray& k, const InArray& v, int threads) {
+template <class F, class In>
+void mh_absorb(PyMultiHead<F>& self, const In& k, const In& v, int threads) {
   std::visit(
       [&](auto& layer) {
         using S = typename std::decay_t<decltype(layer)>::Scalar;
@@ -1054,7 +1150,7 @@ void mh_absorb(PyMultiHead<F>& self, const InArray& k, const InArray& v, int thr
         check_array<S>(where, "k", k, 4, "(B, Hkv, T, dk)");
         check_array<S>(where, "v", v, 4, "(B, Hkv, T, dv)");
         const ConstRowsView<S> kv = rows_of<S>(k), vv = rows_of<S>(v);
-        nb::gil_scoped_release release;
+        WithoutGil release;
         std::lock_guard<std::mutex> lock(*self.mutex);
         ThreadScope scope(threads);
         using Map = Eigen::Map<const RowMatrix<S>>;
@@ -1089,6 +1185,111 @@ double mh_time_steps(PyMultiHead<F>& self, const InArray& q, const InArray& k, c
       },
       self.layer);
 }
+
+// ---- the torch ops' table (op_table.h) ----
+
+// A family's calls on a layer the table only knows as a pointer.
+struct LayerOps {
+  void (*forward)(void* layer, const PlainArray& q, const PlainArray& k, const PlainArray& v,
+                  const PlainArray& out, const PlainArray* lse, int threads);
+  void (*step)(void* layer, const PlainArray& q, const PlainArray& k, const PlainArray& v,
+               const PlainArray& out, int threads);
+  void (*absorb)(void* layer, const PlainArray& k, const PlainArray& v, int threads);
+};
+
+template <class F>
+constexpr LayerOps kLayerOps = {
+    [](void* layer, const PlainArray& q, const PlainArray& k, const PlainArray& v,
+       const PlainArray& out, const PlainArray* lse, int threads) {
+      const std::optional<PlainArray> lse_out = lse ? std::optional<PlainArray>(*lse) : std::nullopt;
+      mh_read("forward", 4, *static_cast<PyMultiHead<F>*>(layer), q, k, v, out, lse_out, threads);
+    },
+    [](void* layer, const PlainArray& q, const PlainArray& k, const PlainArray& v,
+       const PlainArray& out, int threads) {
+      mh_read("step", 3, *static_cast<PyMultiHead<F>*>(layer), q, k, v, out,
+              std::optional<PlainArray>(), threads);
+    },
+    [](void* layer, const PlainArray& k, const PlainArray& v, int threads) {
+      mh_absorb(*static_cast<PyMultiHead<F>*>(layer), k, v, threads);
+    },
+};
+
+// The handle of a layer for the torch ops, made on first use.
+template <class F>
+std::int64_t op_handle_of(PyMultiHead<F>& self) {
+  if (self.op_target == nullptr) {
+    auto target = std::make_shared<OpTarget>();
+    target->layer = &self;
+    target->ops = &kLayerOps<F>;
+    OpRegistry& r = op_registry();
+    std::lock_guard<std::mutex> lock(r.lock);
+    self.op_handle = r.next++;
+    r.targets.emplace(self.op_handle, target);
+    self.op_target = std::move(target);
+  }
+  return self.op_handle;
+}
+
+// Runs `call` on the layer of `handle` as op_table.h says: without the GIL, with the layer kept
+// alive, and an error returned as its kind and message.
+template <class Call>
+int run_op(std::int64_t handle, char* message, std::size_t capacity, Call&& call) {
+  // Before any lock: a layer's destructor waits for its target's lock holding the GIL.
+  WithoutGil release;
+  const auto fail = [&](int kind, const char* what) {
+    if (capacity > 0) std::snprintf(message, capacity, "%s", what);
+    return kind;
+  };
+  try {
+    const std::shared_ptr<OpTarget> target = find_op_target(handle);
+    std::unique_lock<std::mutex> lock;
+    if (target != nullptr) lock = std::unique_lock<std::mutex>(target->lock);
+    if (target == nullptr || target->layer == nullptr)
+      return fail(ops::kOpRuntimeError,
+                  str("ovq.torch: no layer has handle ", handle, " (it was freed)").c_str());
+    call(*target->ops, target->layer);
+    return ops::kOpOk;
+  } catch (const nb::builtin_exception& e) {
+    const nb::exception_type type = e.type();
+    return fail(type == nb::exception_type::type_error    ? ops::kOpTypeError
+                : type == nb::exception_type::value_error ? ops::kOpValueError
+                                                          : ops::kOpRuntimeError,
+                e.what());
+  } catch (const ovq::ArgumentError& e) {
+    return fail(ops::kOpValueError, e.what());
+  } catch (const ovq::FormatError& e) {
+    return fail(ops::kOpValueError, e.what());
+  } catch (const std::exception& e) {
+    return fail(ops::kOpRuntimeError, e.what());
+  } catch (...) {
+    return fail(ops::kOpRuntimeError, "ovq: an unknown C++ exception");
+  }
+}
+
+const ops::Table kOpTable = {
+    ops::kOpTableVersion,
+    [](std::int64_t handle, const ops::Array* q, const ops::Array* k, const ops::Array* v,
+       const ops::Array* out, const ops::Array* lse, int threads, char* message,
+       std::size_t capacity) {
+      return run_op(handle, message, capacity, [&](const LayerOps& o, void* layer) {
+        const PlainArray lse_array{lse};
+        o.forward(layer, PlainArray{q}, PlainArray{k}, PlainArray{v}, PlainArray{out},
+                  lse != nullptr ? &lse_array : nullptr, threads);
+      });
+    },
+    [](std::int64_t handle, const ops::Array* q, const ops::Array* k, const ops::Array* v,
+       const ops::Array* out, int threads, char* message, std::size_t capacity) {
+      return run_op(handle, message, capacity, [&](const LayerOps& o, void* layer) {
+        o.step(layer, PlainArray{q}, PlainArray{k}, PlainArray{v}, PlainArray{out}, threads);
+      });
+    },
+    [](std::int64_t handle, const ops::Array* k, const ops::Array* v, int threads,
+       char* message, std::size_t capacity) {
+      return run_op(handle, message, capacity, [&](const LayerOps& o, void* layer) {
+        o.absorb(layer, PlainArray{k}, PlainArray{v}, threads);
+      });
+    },
+};
 
 template <class F>
 nb::bytes mh_encode(const PyMultiHead<F>& self) {
@@ -1357,6 +1558,8 @@ nb::class_<PyMixer<F>> bind_mixer(nb::module_& m, const char* layer_name) {
          const InArray qa = input(q, w, "q"), ka = input(k, w, "k"), va = input(v, w, "v");
          return mh_time_steps(l, qa, ka, va, output(out, w, "out"), iters, threads);
        }, "q"_a, "k"_a, "v"_a, "out"_a, "iters"_a, "threads"_a)
+      .def("_op_handle", &op_handle_of<F>,
+           "The handle torch.ops.ovq.* know this layer by (op_table.h).")
       .def("to_bytes", &mh_encode<F>)
       .def("_load_bytes", &mh_decode<F>)
       .def("__copy__", [](const L& l) { return L(l); })
@@ -1685,6 +1888,8 @@ NB_MODULE(_ovq, m) {
   m.def("_fit_codebook", &fit_codebook_py, "keys"_a, "size"_a, "max_iterations"_a, "tolerance"_a,
         "seed"_a);
   m.def("_file_dtype", [](const nb::bytes& data) { return file_element(data); });
+  m.def("_op_table", [] { return nb::capsule(&kOpTable, ops::kOpTableCapsule); },
+        "The layers' C table for ovq._torch_ops (op_table.h).");
 #if defined(_OPENMP)
   m.attr("openmp") = true;
 #else

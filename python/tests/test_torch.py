@@ -267,3 +267,189 @@ def test_state_dict_round_trips_the_states(qkv, tmp_path):
     assert torch.equal(layer.step(*step), other.step(*step))
     clone = copy.deepcopy(layer.layer)
     assert clone.to_bytes() == layer.layer.to_bytes()
+
+
+# ---- torch.ops.ovq.*: the C++ operators (ovq._torch_ops), and the Python ones ----
+
+def _op_layers(dtype=torch.float32):
+    """Two identical layers of each mixer: one driven by its methods, one by torch.ops.ovq."""
+    g = torch.Generator().manual_seed(5)
+    codebooks = F.normalize(torch.randn(HKV, 8, D, generator=g), dim=-1).to(dtype)
+    makers = [
+        lambda: otorch.SelfAttention(B, HQ, HKV, D, D, dtype=dtype, window=40),
+        lambda: otorch.LinearAttention(B, HQ, HKV, D, D, dtype=dtype, chunk=16),
+        lambda: otorch.VQAttention(B, HQ, HKV, D, D, dtype=dtype, codebooks=codebooks),
+        lambda: otorch.OVQAttention(B, HQ, HKV, D, D, dtype=dtype, capacity=32, chunk=16),
+    ]
+    return [(make(), make()) for make in makers]
+
+
+def test_ops_are_the_cpp_operators_where_built_with_this_pytorch():
+    import os
+
+    if os.environ.get("OVQ_TORCH_OPS") == "python":
+        pytest.skip("OVQ_TORCH_OPS=python asks for the Python ops")
+    assert otorch.NATIVE_OPS
+    import ovq._torch_ops_build as build
+
+    assert build.torch_version == torch.__version__
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_ops_give_the_methods_bits_and_states(qkv, dtype):
+    q, k, v = (x.to(dtype) for x in qkv)
+
+    def span(a, b):  # tokens a..b-1 of q, k and v, contiguous as the ops want them
+        return [x[:, :, a:b].contiguous() for x in (q, k, v)]
+
+    for by_method, by_op in _op_layers(dtype):
+        h = by_op.handle
+        _, k0, v0 = span(0, 20)
+        by_method.absorb(k0, v0)
+        torch.ops.ovq.absorb(h, k0, v0, 0)
+        x = span(20, 60)
+        assert torch.equal(torch.ops.ovq.forward(h, *x, 2), by_method(*x))
+        x = span(60, 90)
+        if not isinstance(by_op.mixer, ovq.LinearAttention):
+            o, lse = torch.ops.ovq.forward_lse(h, *x, 1)
+            o_m, lse_m = by_method(*x, return_lse=True)
+            assert torch.equal(o, o_m) and torch.equal(lse, lse_m)
+            assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        else:
+            with pytest.raises(ValueError, match="log-sum-exp"):
+                torch.ops.ovq.forward_lse(h, *x, 1)
+            assert torch.equal(torch.ops.ovq.forward(h, *x, 1), by_method(*x))
+        for t in range(90, T):
+            step = [x[:, :, t].contiguous() for x in (q, k, v)]
+            assert torch.equal(torch.ops.ovq.step(h, *step, 0), by_method.step(*step))
+        assert by_op.layer.to_bytes() == by_method.layer.to_bytes()
+
+
+def test_ops_refuse_bad_input_by_name_and_leave_the_states(qkv):
+    q, k, v = qkv
+    layer = otorch.OVQAttention(B, HQ, HKV, D, D, capacity=32, chunk=16)
+    h = layer.handle
+    layer(q[:, :, :40], k[:, :, :40], v[:, :, :40])
+    before = layer.layer.to_bytes()
+    s = [x[:, :, 0].contiguous() for x in (q, k, v)]
+    bad = [
+        (TypeError, "q has dtype float64", torch.ops.ovq.forward, (h, q.double(), k, v, 0)),
+        (ValueError, r"k has shape \(2, 1, 96, 16\), expected \(2, 2, 96",
+         torch.ops.ovq.forward, (h, q, k[:, :1].contiguous(), v, 0)),
+        (ValueError, "v has shape", torch.ops.ovq.forward, (h, q, k, v[0], 0)),
+        (ValueError, "not C-contiguous", torch.ops.ovq.forward, (h, q.transpose(2, 3), k, v, 0)),
+        (ValueError, "threads = -1", torch.ops.ovq.forward, (h, q, k, v, -1)),
+        (TypeError, "layout", torch.ops.ovq.forward, (h, q.to_sparse(), k, v, 0)),
+        (TypeError, "handle", torch.ops.ovq.forward, (h.double(), q, k, v, 0)),
+        (TypeError, "handle", torch.ops.ovq.step, (torch.tensor([1, 2]), *s, 0)),
+        (ValueError, r"q has shape \(2, 4, 16\), expected 4 dimensions",
+         torch.ops.ovq.forward, (h, *s, 0)),
+        (ValueError, "expected 3 dimensions", torch.ops.ovq.step, (h, q, k, v, 0)),
+        (ValueError, "step: k has shape", torch.ops.ovq.step, (h, s[0], s[1][:1], s[2], 0)),
+        (TypeError, "k has dtype int64", torch.ops.ovq.absorb, (h, k.long(), v, 0)),
+        (ValueError, "absorb: V has shape", torch.ops.ovq.absorb,
+         (h, k, v[:, :, :5].contiguous(), 0)),
+    ]
+    for error, match, op, args in bad:
+        with pytest.raises(error, match=match):
+            op(*args)
+        assert layer.layer.to_bytes() == before, match
+    # (A lazily negated view reaches the op resolved: PyTorch's dispatcher resolves it first.)
+    a, b = (otorch.SelfAttention(B, HQ, HKV, D, D) for _ in range(2))
+    assert torch.equal(torch.ops.ovq.forward(a.handle, q, k, v._neg_view(), 0), b(q, k, -v))
+
+
+def test_ops_on_a_freed_layer_raise():
+    layer = otorch.SelfAttention(B, HQ, HKV, D, D)
+    handle = layer.handle.clone()
+    del layer
+    import gc
+
+    gc.collect()
+    s = [torch.randn(B, h, D) for h in (HQ, HKV, HKV)]
+    with pytest.raises(RuntimeError, match="no layer has handle"):
+        torch.ops.ovq.step(handle, *s, 0)
+
+
+def test_ops_are_forward_only(qkv):
+    q, k, v = qkv
+    layer = otorch.SelfAttention(B, HQ, HKV, D, D)
+    qg = q.clone().requires_grad_()
+    for out in (torch.ops.ovq.forward(layer.handle, qg, k, v, 0),
+                torch.ops.ovq.forward_lse(layer.handle, qg, k, v, 0)[1],
+                torch.ops.ovq.step(layer.handle, qg[:, :, 0].contiguous(), k[:, :, 0].contiguous(),
+                                   v[:, :, 0].contiguous(), 0)):
+        assert out.requires_grad
+        with pytest.raises(RuntimeError, match="forward only|no autograd formula"):
+            out.sum().backward()
+    with torch.no_grad():
+        assert not torch.ops.ovq.forward(layer.handle, qg, k, v, 0).requires_grad
+
+
+def test_ops_from_threads_at_once(qkv):
+    # Each thread drives its own layer through the ops (which run without the GIL); the results
+    # are those of the same calls one after another.
+    import threading
+
+    chunks = [[x[:, :, t:t + 8].contiguous() for x in qkv] for t in range(0, T, 8)]
+    layers = [otorch.OVQAttention(B, HQ, HKV, D, D, capacity=32, chunk=16) for _ in range(4)]
+    outs = [[] for _ in layers]
+
+    def run(i):
+        try:
+            for chunk in chunks:
+                outs[i].append(torch.ops.ovq.forward(layers[i].handle, *chunk, 1))
+        except Exception as e:  # noqa: BLE001  (reported below, in the test's thread)
+            outs[i].append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(layers))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    alone = otorch.OVQAttention(B, HQ, HKV, D, D, capacity=32, chunk=16)
+    expected = [alone(*chunk) for chunk in chunks]
+    for got in outs:
+        assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+_PYTHON_OPS_CHECK = """
+import torch, ovq, ovq.torch as otorch
+assert not otorch.NATIVE_OPS
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(2, h, 24, 16, generator=g) for h in (4, 2, 2))
+a = otorch.OVQAttention(2, 4, 2, 16, 16, capacity=16, chunk=8)
+b = otorch.OVQAttention(2, 4, 2, 16, 16, capacity=16, chunk=8)
+assert torch.equal(torch.ops.ovq.forward(b.handle, q, k, v, 0), a(q, k, v))
+s = [x[:, :, 0].contiguous() for x in (q, k, v)]
+assert torch.equal(torch.ops.ovq.step(b.handle, *s, 0), a.step(*s))
+assert a.layer.to_bytes() == b.layer.to_bytes()
+try:
+    torch.ops.ovq.forward(b.handle, q.double(), k, v, 0)
+    raise SystemExit("no error")
+except TypeError as e:
+    assert "q has dtype float64" in str(e), e
+out = torch.ops.ovq.step(b.handle, s[0].clone().requires_grad_(), s[1], s[2], 0)
+try:
+    out.sum().backward()
+    raise SystemExit("no error")
+except RuntimeError:
+    pass
+a.step(*s)  # (the step b took above)
+f = torch.compile(lambda q, k, v: b.step(q, k, v) * 2, fullgraph=True)
+assert torch.equal(f(*s), a.step(*s) * 2)
+print("ok")
+"""
+
+
+def test_python_ops_give_the_same_results():
+    # The ops registered in Python (OVQ_TORCH_OPS=python), in a process of their own: the dispatcher
+    # holds one registration of torch.ops.ovq per process.
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OVQ_TORCH_OPS="python")
+    run = subprocess.run([sys.executable, "-c", _PYTHON_OPS_CHECK], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr

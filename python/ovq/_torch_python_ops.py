@@ -1,0 +1,76 @@
+"""torch.ops.ovq.* registered in Python: what ovq.torch uses where ovq._torch_ops (the same ops
+in C++) cannot serve (ovq built without PyTorch, another PyTorch installed since, or
+OVQ_TORCH_OPS=python). Same schemas, results and errors; a call costs more (the dispatcher calls
+back into Python, and torch.library's autograd wrapper runs in Python too). Backward through
+these raises torch.library's error for an op without a backward formula.
+"""
+
+import itertools
+import threading
+import weakref
+
+import torch
+
+# handle -> MultiHead layer, for the ops (which see tensors only); the module owns the layer.
+_LAYERS = weakref.WeakValueDictionary()
+_NEXT_HANDLE = itertools.count(1)
+_LOCK = threading.Lock()
+
+
+def _layer(handle):
+    try:
+        return _LAYERS[handle.item()]
+    except KeyError:
+        raise RuntimeError(f"ovq.torch: no layer has handle {handle.item()} (it was freed)") from None
+
+
+def register(layer):
+    """A new handle for `layer`, which the registry holds weakly."""
+    with _LOCK:
+        h = next(_NEXT_HANDLE)
+        _LAYERS[h] = layer
+    return h
+
+
+@torch.library.custom_op("ovq::forward", mutates_args=("handle",))
+def _forward_op(handle: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                threads: int) -> torch.Tensor:
+    return _layer(handle).forward(q, k, v, threads=threads)
+
+
+@_forward_op.register_fake
+def _(handle, q, k, v, threads):
+    return q.new_empty(q.shape[:-1] + (v.shape[-1],))
+
+
+@torch.library.custom_op("ovq::forward_lse", mutates_args=("handle",))
+def _forward_lse_op(handle: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    threads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _layer(handle).forward(q, k, v, return_lse=True, threads=threads)
+
+
+@_forward_lse_op.register_fake
+def _(handle, q, k, v, threads):
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return (q.new_empty(q.shape[:-1] + (v.shape[-1],)), q.new_empty(q.shape[:-1], dtype=lse_dtype))
+
+
+@torch.library.custom_op("ovq::step", mutates_args=("handle",))
+def _step_op(handle: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             threads: int) -> torch.Tensor:
+    return _layer(handle).step(q, k, v, threads=threads)
+
+
+@_step_op.register_fake
+def _(handle, q, k, v, threads):
+    return q.new_empty(q.shape[:-1] + (v.shape[-1],))
+
+
+@torch.library.custom_op("ovq::absorb", mutates_args=("handle",))
+def _absorb_op(handle: torch.Tensor, k: torch.Tensor, v: torch.Tensor, threads: int) -> None:
+    _layer(handle).absorb(k, v, threads=threads)
+
+
+@_absorb_op.register_fake
+def _(handle, k, v, threads):
+    return None

@@ -1,0 +1,53 @@
+// The C interface between ovq._ovq (which owns the multi-head layers) and ovq._torch_ops (which
+// registers them with PyTorch's dispatcher as the ops torch.ops.ovq.*): plain structs and
+// function pointers, so that the two modules share no C++ types and the second can be built
+// against PyTorch's headers alone.
+//
+// ovq._ovq hands the table out as a capsule named kOpTableCapsule. Every function runs without
+// the GIL (PyTorch calls its kernels without it; one that holds it gives it up for the call),
+// finds the layer by its handle (MultiHead._op_handle()), runs the same checks and the same
+// code as the layer's Python methods, and returns kOpOk, or an error kind with the message
+// written to `message` (NUL-terminated, at most `capacity` bytes).
+#ifndef OVQ_PYTHON_OP_TABLE_H
+#define OVQ_PYTHON_OP_TABLE_H
+
+#include <cstddef>
+#include <cstdint>
+
+namespace ovq::python::ops {
+
+inline constexpr const char* kOpTableCapsule = "ovq._ovq.op_table";
+inline constexpr std::uint32_t kOpTableVersion = 1;
+inline constexpr int kMaxDims = 8;
+
+// A strided array in memory: DLPack's element codes (kDLFloat 2, kDLBfloat 4, ...), device
+// types (kDLCPU 1) and strides in elements.
+struct Array {
+  void* data;
+  std::int32_t device_type;
+  std::uint8_t code, bits;
+  std::int32_t ndim;
+  std::int64_t shape[kMaxDims];
+  std::int64_t strides[kMaxDims];
+};
+
+enum Status : int { kOpOk = 0, kOpTypeError = 1, kOpValueError = 2, kOpRuntimeError = 3 };
+
+struct Table {
+  std::uint32_t version;  // kOpTableVersion
+  // q (B, Hq, T, dk), k (B, Hkv, T, dk), v (B, Hkv, T, dv) -> out (B, Hq, T, dv), and lse
+  // (B, Hq, T) where it is not null.
+  int (*forward)(std::int64_t handle, const Array* q, const Array* k, const Array* v,
+                 const Array* out, const Array* lse, int threads, char* message,
+                 std::size_t capacity);
+  // q (B, Hq, dk), k (B, Hkv, dk), v (B, Hkv, dv) -> out (B, Hq, dv).
+  int (*step)(std::int64_t handle, const Array* q, const Array* k, const Array* v,
+              const Array* out, int threads, char* message, std::size_t capacity);
+  // k (B, Hkv, T, dk), v (B, Hkv, T, dv) into the states.
+  int (*absorb)(std::int64_t handle, const Array* k, const Array* v, int threads, char* message,
+                std::size_t capacity);
+};
+
+}  // namespace ovq::python::ops
+
+#endif  // OVQ_PYTHON_OP_TABLE_H

@@ -1,0 +1,357 @@
+// ovq._torch_ops: the multi-head layers as PyTorch operators, registered with the dispatcher
+// in C++ so that a call costs what a built-in operator's does (a Python kernel costs several
+// times more: the dispatcher boxes its arguments into Python objects, and an autograd kernel in
+// Python doubles that).
+//
+//   ovq::forward(Tensor(a!) handle, Tensor q, Tensor k, Tensor v, int threads) -> Tensor
+//   ovq::forward_lse(...same...) -> (Tensor, Tensor)
+//   ovq::step(Tensor(a!) handle, Tensor q, Tensor k, Tensor v, int threads) -> Tensor
+//   ovq::absorb(Tensor(a!) handle, Tensor k, Tensor v, int threads) -> ()
+//
+// `handle` is a one-element int64 tensor holding the layer's handle (MultiHead._op_handle());
+// the ops declare it mutated so that torch.compile keeps their calls in order. Kernels:
+//   CompositeExplicitAutograd  allocates the outputs and calls ovq._ovq's table (op_table.h),
+//                              which checks everything and runs the layer, without the GIL;
+//   Meta                       the outputs' shapes (fake tensors, torch.compile);
+//   Autograd                   the call below autograd, with outputs whose backward raises
+//                              (the ops are forward only).
+// This file sees PyTorch's headers and op_table.h only: no ovq type crosses between modules.
+#include <nanobind/nanobind.h>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <climits>
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "op_table.h"
+
+namespace nb = nanobind;
+namespace ops = ovq::python::ops;
+
+namespace {
+
+std::atomic<const ops::Table*> g_table{nullptr};
+
+const ops::Table& table() {
+  const ops::Table* t = g_table.load(std::memory_order_acquire);
+  TORCH_CHECK(t != nullptr, "ovq._torch_ops: the ops are not connected to ovq._ovq (import "
+              "ovq.torch, which does it)");
+  return *t;
+}
+
+// "(2, 8, 64)", as the extension writes shapes.
+std::string shape_text(c10::IntArrayRef sizes) {
+  std::ostringstream out;
+  out << '(';
+  for (std::size_t i = 0; i < sizes.size(); ++i) out << (i ? ", " : "") << sizes[i];
+  out << (sizes.size() == 1 ? ",)" : ")");
+  return out.str();
+}
+
+// The element as DLPack names it (code, bits); an element ovq does not compute in is passed on
+// with its code, and the table's check names it.
+std::pair<std::uint8_t, std::uint8_t> dlpack_element(at::ScalarType t) {
+  constexpr std::uint8_t kInt = 0, kUInt = 1, kFloat = 2, kBfloat = 4, kComplex = 5, kBool = 6;
+  const auto bits = static_cast<std::uint8_t>(8 * c10::elementSize(t));
+  switch (t) {
+    case at::kFloat:
+    case at::kDouble:
+    case at::kHalf:
+      return {kFloat, bits};
+    case at::kBFloat16:
+      return {kBfloat, bits};
+    case at::kChar:
+    case at::kShort:
+    case at::kInt:
+    case at::kLong:
+      return {kInt, bits};
+    case at::kByte:
+      return {kUInt, bits};
+    case at::kBool:
+      return {kBool, bits};
+    case at::kComplexFloat:
+    case at::kComplexDouble:
+      return {kComplex, bits};
+    default:
+      return {255, bits};
+  }
+}
+
+// The tensor as the table's array; what only a tensor can be (another device or layout, a lazy
+// negation, no memory) is refused here, in the extension's words.
+ops::Array describe(const at::Tensor& t, const char* where, const char* name) {
+  TORCH_CHECK_TYPE(t.defined(), where, ": ", name, " is an undefined tensor, expected a tensor");
+  TORCH_CHECK_TYPE(t.layout() == at::kStrided, where, ": ", name, " has layout ", t.layout(),
+                   ", expected a dense (torch.strided) tensor");
+  TORCH_CHECK_TYPE(t.is_cpu(), where, ": ", name, " is on ", t.device(),
+                   ", expected CPU memory: this build of ovq runs on the CPU");
+  TORCH_CHECK_VALUE(!t.is_neg(), where, ": ", name,
+                    " is a lazily negated view, expected its values (Tensor.resolve_neg())");
+  TORCH_CHECK_VALUE(!t._is_zerotensor(), where, ": ", name,
+                    " has no memory behind its values (a ZeroTensor), expected a tensor whose "
+                    "values are stored (torch.zeros)");
+  TORCH_CHECK_VALUE(t.dim() <= ops::kMaxDims, where, ": ", name, " has shape ",
+                    shape_text(t.sizes()), ", expected at most ", ops::kMaxDims, " dimensions");
+  ops::Array a{};
+  a.data = t.numel() > 0 ? t.data_ptr() : nullptr;
+  a.device_type = 1;  // kDLCPU
+  std::tie(a.code, a.bits) = dlpack_element(t.scalar_type());
+  a.ndim = static_cast<std::int32_t>(t.dim());
+  for (std::int64_t i = 0; i < t.dim(); ++i) {
+    a.shape[i] = t.size(i);
+    a.strides[i] = t.stride(i);
+  }
+  return a;
+}
+
+std::int64_t handle_of(const at::Tensor& handle, const char* where) {
+  TORCH_CHECK_TYPE(handle.defined() && handle.layout() == at::kStrided && handle.is_cpu() &&
+                       handle.scalar_type() == at::kLong && handle.numel() == 1 &&
+                       !handle._is_zerotensor(),
+                   where, ": handle is not a layer's handle, expected a one-element int64 CPU "
+                   "tensor (ovq.torch.Attention.handle)");
+  return *handle.const_data_ptr<std::int64_t>();
+}
+
+int threads_of(std::int64_t threads) {
+  TORCH_CHECK_VALUE(threads >= 0 && threads <= INT_MAX, "threads = ", threads,
+                    ", expected >= 0 (0: OpenMP's default)");
+  return static_cast<int>(threads);
+}
+
+// Before an output's shape is read from the inputs: each has `ndim` dimensions.
+void check_dims(const at::Tensor& t, std::int64_t ndim, const char* where, const char* name,
+                const char* dims) {
+  TORCH_CHECK_VALUE(!t.defined() || t.dim() == ndim, where, ": ", name, " has shape ",
+                    shape_text(t.sizes()), ", expected ", ndim, " dimensions ", dims);
+}
+
+void raise(int status, const char* message) {
+  switch (status) {
+    case ops::kOpOk:
+      return;
+    case ops::kOpTypeError:
+      TORCH_CHECK_TYPE(false, message);
+    case ops::kOpValueError:
+      TORCH_CHECK_VALUE(false, message);
+    default:
+      TORCH_CHECK(false, message);
+  }
+}
+
+constexpr std::size_t kMessageBytes = 1024;
+
+// A new C-contiguous CPU tensor, straight from the CPU allocator (the inputs were found on the
+// CPU; at::empty would go through the dispatcher again).
+at::Tensor empty_cpu(c10::IntArrayRef sizes, at::ScalarType dtype) {
+  return at::Tensor(at::detail::empty_cpu(sizes, dtype));
+}
+
+// ---- CompositeExplicitAutograd: the calls ----
+
+std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& handle, const at::Tensor& q,
+                                                const at::Tensor& k, const at::Tensor& v,
+                                                std::int64_t threads, bool with_lse) {
+  const char* where = "forward";
+  const std::int64_t h = handle_of(handle, where);
+  const int n = threads_of(threads);
+  check_dims(q, 4, where, "q", "(B, Hq, T, dk)");
+  check_dims(v, 4, where, "v", "(B, Hkv, T, dv)");
+  const ops::Array qa = describe(q, where, "q"), ka = describe(k, where, "k"),
+                   va = describe(v, where, "v");
+  at::Tensor out = empty_cpu({q.size(0), q.size(1), q.size(2), v.size(3)}, q.scalar_type());
+  at::Tensor lse;
+  if (with_lse)
+    lse = empty_cpu({q.size(0), q.size(1), q.size(2)},
+                    q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
+  const ops::Array oa = describe(out, where, "out");
+  const ops::Array la = with_lse ? describe(lse, where, "lse") : ops::Array{};
+  char message[kMessageBytes];
+  raise(table().forward(h, &qa, &ka, &va, &oa, with_lse ? &la : nullptr, n, message,
+                        sizeof message),
+        message);
+  return {out, lse};
+}
+
+at::Tensor forward_cpu(at::Tensor& handle, const at::Tensor& q, const at::Tensor& k,
+                       const at::Tensor& v, std::int64_t threads) {
+  return std::get<0>(forward_impl(handle, q, k, v, threads, false));
+}
+
+std::tuple<at::Tensor, at::Tensor> forward_lse_cpu(at::Tensor& handle, const at::Tensor& q,
+                                                   const at::Tensor& k, const at::Tensor& v,
+                                                   std::int64_t threads) {
+  return forward_impl(handle, q, k, v, threads, true);
+}
+
+at::Tensor step_cpu(at::Tensor& handle, const at::Tensor& q, const at::Tensor& k,
+                    const at::Tensor& v, std::int64_t threads) {
+  const char* where = "step";
+  const std::int64_t h = handle_of(handle, where);
+  const int n = threads_of(threads);
+  check_dims(q, 3, where, "q", "(B, Hq, dk)");
+  check_dims(v, 3, where, "v", "(B, Hkv, dv)");
+  const ops::Array qa = describe(q, where, "q"), ka = describe(k, where, "k"),
+                   va = describe(v, where, "v");
+  at::Tensor out = empty_cpu({q.size(0), q.size(1), v.size(2)}, q.scalar_type());
+  const ops::Array oa = describe(out, where, "out");
+  char message[kMessageBytes];
+  raise(table().step(h, &qa, &ka, &va, &oa, n, message, sizeof message), message);
+  return out;
+}
+
+void absorb_cpu(at::Tensor& handle, const at::Tensor& k, const at::Tensor& v,
+                std::int64_t threads) {
+  const char* where = "absorb";
+  const std::int64_t h = handle_of(handle, where);
+  const int n = threads_of(threads);
+  const ops::Array ka = describe(k, where, "k"), va = describe(v, where, "v");
+  char message[kMessageBytes];
+  raise(table().absorb(h, &ka, &va, n, message, sizeof message), message);
+}
+
+// ---- Meta: the outputs' shapes ----
+
+at::Tensor forward_meta(at::Tensor&, const at::Tensor& q, const at::Tensor&, const at::Tensor& v,
+                        std::int64_t) {
+  check_dims(q, 4, "forward", "q", "(B, Hq, T, dk)");
+  check_dims(v, 4, "forward", "v", "(B, Hkv, T, dv)");
+  return at::empty_symint({q.sym_size(0), q.sym_size(1), q.sym_size(2), v.sym_size(3)},
+                          q.options());
+}
+
+std::tuple<at::Tensor, at::Tensor> forward_lse_meta(at::Tensor& handle, const at::Tensor& q,
+                                                    const at::Tensor& k, const at::Tensor& v,
+                                                    std::int64_t threads) {
+  at::Tensor out = forward_meta(handle, q, k, v, threads);
+  at::Tensor lse = at::empty_symint(
+      {q.sym_size(0), q.sym_size(1), q.sym_size(2)},
+      q.options().dtype(q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat));
+  return {out, lse};
+}
+
+at::Tensor step_meta(at::Tensor&, const at::Tensor& q, const at::Tensor&, const at::Tensor& v,
+                     std::int64_t) {
+  check_dims(q, 3, "step", "q", "(B, Hq, dk)");
+  check_dims(v, 3, "step", "v", "(B, Hkv, dv)");
+  return at::empty_symint({q.sym_size(0), q.sym_size(1), v.sym_size(2)}, q.options());
+}
+
+void absorb_meta(at::Tensor&, const at::Tensor&, const at::Tensor&, std::int64_t) {}
+
+// ---- Autograd: forward only ----
+
+// Gives `outputs` a backward that raises, where q, k or v needs a gradient.
+void forward_only(const char* op, std::vector<at::Tensor> outputs, const at::Tensor& q,
+                  const at::Tensor& k, const at::Tensor& v) {
+  namespace ag = torch::autograd;
+  if (!ag::compute_requires_grad(q, k, v)) return;
+  const std::string message =
+      std::string("ovq.torch: the ovq ops are forward only; there is no backward through ") + op +
+      " (detach its inputs, or run it under torch.no_grad())";
+  auto node = c10::make_intrusive<ag::Error>(message, ag::collect_next_edges(q, k, v));
+  ag::set_history(outputs, node);
+}
+
+template <class Signature>
+c10::TypedOperatorHandle<Signature> op_handle(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+using ForwardSig = at::Tensor(at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&, std::int64_t);
+using ForwardLseSig = std::tuple<at::Tensor, at::Tensor>(at::Tensor&, const at::Tensor&,
+                                                         const at::Tensor&, const at::Tensor&,
+                                                         std::int64_t);
+
+at::Tensor forward_autograd(at::Tensor& handle, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, std::int64_t threads) {
+  static const auto op = op_handle<ForwardSig>("ovq::forward");
+  at::Tensor out;
+  {
+    at::AutoDispatchBelowADInplaceOrView below;
+    out = op.call(handle, q, k, v, threads);
+  }
+  forward_only("ovq::forward", {out}, q, k, v);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> forward_lse_autograd(at::Tensor& handle, const at::Tensor& q,
+                                                        const at::Tensor& k, const at::Tensor& v,
+                                                        std::int64_t threads) {
+  static const auto op = op_handle<ForwardLseSig>("ovq::forward_lse");
+  at::Tensor out, lse;
+  {
+    at::AutoDispatchBelowADInplaceOrView below;
+    std::tie(out, lse) = op.call(handle, q, k, v, threads);
+  }
+  forward_only("ovq::forward_lse", {out, lse}, q, k, v);
+  return {out, lse};
+}
+
+at::Tensor step_autograd(at::Tensor& handle, const at::Tensor& q, const at::Tensor& k,
+                         const at::Tensor& v, std::int64_t threads) {
+  static const auto op = op_handle<ForwardSig>("ovq::step");
+  at::Tensor out;
+  {
+    at::AutoDispatchBelowADInplaceOrView below;
+    out = op.call(handle, q, k, v, threads);
+  }
+  forward_only("ovq::step", {out}, q, k, v);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(ovq, m) {
+  m.def("forward(Tensor(a!) handle, Tensor q, Tensor k, Tensor v, int threads) -> Tensor");
+  m.def("forward_lse(Tensor(a!) handle, Tensor q, Tensor k, Tensor v, int threads) -> "
+        "(Tensor, Tensor)");
+  m.def("step(Tensor(a!) handle, Tensor q, Tensor k, Tensor v, int threads) -> Tensor");
+  m.def("absorb(Tensor(a!) handle, Tensor k, Tensor v, int threads) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(ovq, CompositeExplicitAutograd, m) {
+  m.impl("forward", &forward_cpu);
+  m.impl("forward_lse", &forward_lse_cpu);
+  m.impl("step", &step_cpu);
+  m.impl("absorb", &absorb_cpu);
+}
+
+TORCH_LIBRARY_IMPL(ovq, Meta, m) {
+  m.impl("forward", &forward_meta);
+  m.impl("forward_lse", &forward_lse_meta);
+  m.impl("step", &step_meta);
+  m.impl("absorb", &absorb_meta);
+}
+
+TORCH_LIBRARY_IMPL(ovq, Autograd, m) {
+  m.impl("forward", &forward_autograd);
+  m.impl("forward_lse", &forward_lse_autograd);
+  m.impl("step", &step_autograd);
+}
+
+NB_MODULE(_torch_ops, m) {
+  m.doc() = "torch.ops.ovq.*: ovq's multi-head layers as PyTorch operators (used by ovq.torch).";
+  nb::object capsule = nb::module_::import_("ovq._ovq").attr("_op_table")();
+  const auto* t =
+      static_cast<const ops::Table*>(PyCapsule_GetPointer(capsule.ptr(), ops::kOpTableCapsule));
+  if (t == nullptr) throw nb::python_error();
+  if (t->version != ops::kOpTableVersion)
+    throw nb::import_error("ovq._torch_ops: ovq._ovq's op table has another version: rebuild "
+                           "ovq (pip install ./python)");
+  g_table.store(t, std::memory_order_release);
+}
