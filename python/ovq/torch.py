@@ -43,13 +43,19 @@ def _load_native_ops():
         from ovq import _torch_ops_build
     except ImportError:  # ovq was built where PyTorch was not importable
         return False
+    why = None
     if _torch_ops_build.torch_version != torch.__version__:
-        warnings.warn(f"ovq._torch_ops was built against PyTorch {_torch_ops_build.torch_version}, "
-                      f"not {torch.__version__}: torch.ops.ovq.* run in Python, which costs more "
-                      "per call (rebuild ovq to have them in C++)", RuntimeWarning, stacklevel=3)
+        why = f"was built against PyTorch {_torch_ops_build.torch_version}, not {torch.__version__}"
+    else:
+        try:
+            from ovq import _torch_ops  # noqa: F401  (registers torch.ops.ovq.*)
+        except ImportError as e:  # (it registers nothing unless it loads whole)
+            why = f"does not load ({e})"
+    if why is not None:
+        warnings.warn(f"ovq._torch_ops {why}: torch.ops.ovq.* run in Python, which costs more per "
+                      "call (rebuild ovq: pip install --no-build-isolation ./python)",
+                      RuntimeWarning, stacklevel=3)
         return False
-    from ovq import _torch_ops  # noqa: F401  (registers torch.ops.ovq.* with the dispatcher)
-
     return True
 
 
@@ -78,7 +84,8 @@ class _ForwardOnly(torch.autograd.Function):
 
 def _forward_only(name, outputs, *inputs):
     """Eager calls whose inputs require grad: outputs whose backward raises a clear error.
-    (Under torch.compile the ops' own missing autograd formula raises at backward.)"""
+    (The ops raise at backward themselves: the same error from the C++ ops, torch.library's
+    for a missing formula from the Python ones.)"""
     if not (any(t.requires_grad for t in inputs) and torch.is_grad_enabled()):
         return outputs
     if isinstance(outputs, tuple):
@@ -148,6 +155,12 @@ class Attention(torch.nn.Module):
 
     def reset(self):
         self.layer.reset()
+
+    def __setstate__(self, state):
+        # A copy (copy.deepcopy, pickle) has a layer of its own, which needs a handle of its own:
+        # the copied one names the original's layer, or in another process whichever has it.
+        super().__setstate__(state)
+        self.handle.fill_(_register(self.layer))
 
     def get_extra_state(self):
         return torch.frombuffer(bytearray(self.layer.to_bytes()), dtype=torch.uint8)

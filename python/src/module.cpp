@@ -607,7 +607,7 @@ class ThreadScope {
 // the torch ops' calls (op_table.h) do not.
 class WithoutGil {
  public:
-  WithoutGil() : saved_(PyGILState_Check() ? PyEval_SaveThread() : nullptr) {}
+  WithoutGil() : saved_(Py_IsInitialized() && PyGILState_Check() ? PyEval_SaveThread() : nullptr) {}
   ~WithoutGil() {
     if (saved_ != nullptr) PyEval_RestoreThread(saved_);
   }
@@ -1040,7 +1040,9 @@ struct PyMultiHead {
       std::lock_guard<std::mutex> lock(r.lock);
       r.targets.erase(op_handle);
     }
-    std::lock_guard<std::mutex> lock(op_target->lock);  // waits for an op's call in flight
+    // Waits for an op's call in flight (which never needs the GIL: other threads may run).
+    WithoutGil release;
+    std::lock_guard<std::mutex> lock(op_target->lock);
     op_target->layer = nullptr;
   }
 
@@ -1188,26 +1190,70 @@ double mh_time_steps(PyMultiHead<F>& self, const InArray& q, const InArray& k, c
 
 // ---- the torch ops' table (op_table.h) ----
 
+// The outputs of a torch op, from its caller's allocator (op_table.h).
+struct OpAllocator {
+  ops::Allocate allocate;
+  void* context;
+  // A new C-contiguous array of `shape` and element `dtype`, described into *out.
+  void operator()(const std::vector<std::int64_t>& shape, nb::dlpack::dtype dtype,
+                  ops::Array* out) const {
+    char message[512];
+    if (allocate(context, static_cast<std::int32_t>(shape.size()), shape.data(), dtype.code,
+                 dtype.bits, out, message, sizeof message) != ops::kOpOk)
+      throw std::runtime_error(message);
+  }
+};
+
+// A torch op's forward (ndim 4) or step (ndim 3): q, k and v checked as the Python methods
+// check them before they make an output (mh_new_step_output), then the outputs the layer makes
+// (out (B, Hq, [T,] dv) of its element, lse (B, Hq, T) of its accumulation type) from the
+// caller's allocator, then mh_read, which checks the rest and runs.
+template <class F>
+void op_read(PyMultiHead<F>& self, std::size_t ndim, const PlainArray& q, const PlainArray& k,
+             const PlainArray& v, bool with_lse, const OpAllocator& allocate, int threads) {
+  const bool tokens = ndim == 4;
+  const char* where = tokens ? "forward" : "step";
+  std::vector<std::int64_t> shape;
+  nb::dlpack::dtype element{}, compute{};
+  {
+    std::lock_guard<std::mutex> lock(*self.mutex);  // (another call may be loading the states)
+    std::visit(
+        [&](const auto& layer) {
+          using S = typename std::decay_t<decltype(layer)>::Scalar;
+          check_array<S>(where, "q", q, ndim, tokens ? "(B, Hq, T, dk)" : "(B, Hq, dk)");
+          check_array<S>(where, "k", k, ndim, tokens ? "(B, Hkv, T, dk)" : "(B, Hkv, dk)");
+          check_array<S>(where, "v", v, ndim, tokens ? "(B, Hkv, T, dv)" : "(B, Hkv, dv)");
+          shape = {layer.batch(), layer.query_heads()};
+          if (tokens) shape.push_back(static_cast<std::int64_t>(q.shape(2)));
+          shape.push_back(layer.value_dim());
+          element = dlpack_dtype<S>();
+          compute = dlpack_dtype<Compute<S>>();
+        },
+        self.layer);
+  }
+  ops::Array out{}, lse{};
+  allocate(shape, element, &out);
+  std::optional<PlainArray> lse_array;
+  if (with_lse) {
+    shape.pop_back();
+    allocate(shape, compute, &lse);
+    lse_array = PlainArray{&lse};
+  }
+  mh_read(where, ndim, self, q, k, v, PlainArray{&out}, lse_array, threads);
+}
+
 // A family's calls on a layer the table only knows as a pointer.
 struct LayerOps {
-  void (*forward)(void* layer, const PlainArray& q, const PlainArray& k, const PlainArray& v,
-                  const PlainArray& out, const PlainArray* lse, int threads);
-  void (*step)(void* layer, const PlainArray& q, const PlainArray& k, const PlainArray& v,
-               const PlainArray& out, int threads);
+  void (*read)(void* layer, std::size_t ndim, const PlainArray& q, const PlainArray& k,
+               const PlainArray& v, bool with_lse, const OpAllocator& allocate, int threads);
   void (*absorb)(void* layer, const PlainArray& k, const PlainArray& v, int threads);
 };
 
 template <class F>
 constexpr LayerOps kLayerOps = {
-    [](void* layer, const PlainArray& q, const PlainArray& k, const PlainArray& v,
-       const PlainArray& out, const PlainArray* lse, int threads) {
-      const std::optional<PlainArray> lse_out = lse ? std::optional<PlainArray>(*lse) : std::nullopt;
-      mh_read("forward", 4, *static_cast<PyMultiHead<F>*>(layer), q, k, v, out, lse_out, threads);
-    },
-    [](void* layer, const PlainArray& q, const PlainArray& k, const PlainArray& v,
-       const PlainArray& out, int threads) {
-      mh_read("step", 3, *static_cast<PyMultiHead<F>*>(layer), q, k, v, out,
-              std::optional<PlainArray>(), threads);
+    [](void* layer, std::size_t ndim, const PlainArray& q, const PlainArray& k,
+       const PlainArray& v, bool with_lse, const OpAllocator& allocate, int threads) {
+      op_read(*static_cast<PyMultiHead<F>*>(layer), ndim, q, k, v, with_lse, allocate, threads);
     },
     [](void* layer, const PlainArray& k, const PlainArray& v, int threads) {
       mh_absorb(*static_cast<PyMultiHead<F>*>(layer), k, v, threads);
@@ -1246,7 +1292,8 @@ int run_op(std::int64_t handle, char* message, std::size_t capacity, Call&& call
     if (target != nullptr) lock = std::unique_lock<std::mutex>(target->lock);
     if (target == nullptr || target->layer == nullptr)
       return fail(ops::kOpRuntimeError,
-                  str("ovq.torch: no layer has handle ", handle, " (it was freed)").c_str());
+                  str("ovq.torch: no layer has handle ", handle, " (it was freed, or never made)")
+                      .c_str());
     call(*target->ops, target->layer);
     return ops::kOpOk;
   } catch (const nb::builtin_exception& e) {
@@ -1269,18 +1316,18 @@ int run_op(std::int64_t handle, char* message, std::size_t capacity, Call&& call
 const ops::Table kOpTable = {
     ops::kOpTableVersion,
     [](std::int64_t handle, const ops::Array* q, const ops::Array* k, const ops::Array* v,
-       const ops::Array* out, const ops::Array* lse, int threads, char* message,
+       bool with_lse, ops::Allocate allocate, void* context, int threads, char* message,
        std::size_t capacity) {
       return run_op(handle, message, capacity, [&](const LayerOps& o, void* layer) {
-        const PlainArray lse_array{lse};
-        o.forward(layer, PlainArray{q}, PlainArray{k}, PlainArray{v}, PlainArray{out},
-                  lse != nullptr ? &lse_array : nullptr, threads);
+        o.read(layer, 4, PlainArray{q}, PlainArray{k}, PlainArray{v}, with_lse,
+               OpAllocator{allocate, context}, threads);
       });
     },
     [](std::int64_t handle, const ops::Array* q, const ops::Array* k, const ops::Array* v,
-       const ops::Array* out, int threads, char* message, std::size_t capacity) {
+       ops::Allocate allocate, void* context, int threads, char* message, std::size_t capacity) {
       return run_op(handle, message, capacity, [&](const LayerOps& o, void* layer) {
-        o.step(layer, PlainArray{q}, PlainArray{k}, PlainArray{v}, PlainArray{out}, threads);
+        o.read(layer, 3, PlainArray{q}, PlainArray{k}, PlainArray{v}, false,
+               OpAllocator{allocate, context}, threads);
       });
     },
     [](std::int64_t handle, const ops::Array* k, const ops::Array* v, int threads,

@@ -17,7 +17,7 @@
 namespace ovq::python::ops {
 
 inline constexpr const char* kOpTableCapsule = "ovq._ovq.op_table";
-inline constexpr std::uint32_t kOpTableVersion = 1;
+inline constexpr std::uint32_t kOpTableVersion = 2;
 inline constexpr int kMaxDims = 8;
 
 // A strided array in memory: DLPack's element codes (kDLFloat 2, kDLBfloat 4, ...), device
@@ -33,16 +33,26 @@ struct Array {
 
 enum Status : int { kOpOk = 0, kOpTypeError = 1, kOpValueError = 2, kOpRuntimeError = 3 };
 
+// The caller's allocator for the outputs: a new C-contiguous CPU array of `shape` (ndim
+// dimensions) and element (code, bits), described into *out; kOpOk, or an error kind with the
+// message. A call checks its inputs before it asks (so a bad input is what the caller hears
+// about), and asks for the outputs the layer would make: out (B, Hq, [T,] dv) of the layer's
+// element, lse (B, Hq, T) of its accumulation type.
+using Allocate = int (*)(void* context, std::int32_t ndim, const std::int64_t* shape,
+                         std::uint8_t code, std::uint8_t bits, Array* out, char* message,
+                         std::size_t capacity);
+
 struct Table {
   std::uint32_t version;  // kOpTableVersion
   // q (B, Hq, T, dk), k (B, Hkv, T, dk), v (B, Hkv, T, dv) -> out (B, Hq, T, dv), and lse
-  // (B, Hq, T) where it is not null.
+  // (B, Hq, T) with `with_lse`.
   int (*forward)(std::int64_t handle, const Array* q, const Array* k, const Array* v,
-                 const Array* out, const Array* lse, int threads, char* message,
+                 bool with_lse, Allocate allocate, void* context, int threads, char* message,
                  std::size_t capacity);
   // q (B, Hq, dk), k (B, Hkv, dk), v (B, Hkv, dv) -> out (B, Hq, dv).
   int (*step)(std::int64_t handle, const Array* q, const Array* k, const Array* v,
-              const Array* out, int threads, char* message, std::size_t capacity);
+              Allocate allocate, void* context, int threads, char* message,
+              std::size_t capacity);
   // k (B, Hkv, T, dk), v (B, Hkv, T, dv) into the states.
   int (*absorb)(std::int64_t handle, const Array* k, const Array* v, int threads, char* message,
                 std::size_t capacity);

@@ -30,10 +30,12 @@
 
 #include <atomic>
 #include <climits>
+#include <cstdio>
 #include <cstdint>
 #include <sstream>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "op_table.h"
@@ -52,8 +54,9 @@ const ops::Table& table() {
   return *t;
 }
 
-// "(2, 8, 64)", as the extension writes shapes.
-std::string shape_text(c10::IntArrayRef sizes) {
+// "(2, 8, 64)", as the extension writes shapes (sizes, or a fake tensor's symbolic sizes).
+template <class Size>
+std::string shape_text(c10::ArrayRef<Size> sizes) {
   std::ostringstream out;
   out << '(';
   for (std::size_t i = 0; i < sizes.size(); ++i) out << (i ? ", " : "") << sizes[i];
@@ -79,9 +82,13 @@ std::pair<std::uint8_t, std::uint8_t> dlpack_element(at::ScalarType t) {
     case at::kLong:
       return {kInt, bits};
     case at::kByte:
+    case at::kUInt16:
+    case at::kUInt32:
+    case at::kUInt64:
       return {kUInt, bits};
     case at::kBool:
       return {kBool, bits};
+    case at::kComplexHalf:
     case at::kComplexFloat:
     case at::kComplexDouble:
       return {kComplex, bits};
@@ -90,23 +97,21 @@ std::pair<std::uint8_t, std::uint8_t> dlpack_element(at::ScalarType t) {
   }
 }
 
-// The tensor as the table's array; what only a tensor can be (another device or layout, a lazy
-// negation, no memory) is refused here, in the extension's words.
+// The tensor as the table's array; what only a tensor can be (another device or layout) is
+// refused here, in the extension's words, and the table checks the rest. (A lazily negated view
+// or a ZeroTensor never gets here: the dispatcher's fallbacks give the op their values.)
 ops::Array describe(const at::Tensor& t, const char* where, const char* name) {
   TORCH_CHECK_TYPE(t.defined(), where, ": ", name, " is an undefined tensor, expected a tensor");
   TORCH_CHECK_TYPE(t.layout() == at::kStrided, where, ": ", name, " has layout ", t.layout(),
                    ", expected a dense (torch.strided) tensor");
   TORCH_CHECK_TYPE(t.is_cpu(), where, ": ", name, " is on ", t.device(),
                    ", expected CPU memory: this build of ovq runs on the CPU");
-  TORCH_CHECK_VALUE(!t.is_neg(), where, ": ", name,
-                    " is a lazily negated view, expected its values (Tensor.resolve_neg())");
-  TORCH_CHECK_VALUE(!t._is_zerotensor(), where, ": ", name,
-                    " has no memory behind its values (a ZeroTensor), expected a tensor whose "
-                    "values are stored (torch.zeros)");
   TORCH_CHECK_VALUE(t.dim() <= ops::kMaxDims, where, ": ", name, " has shape ",
                     shape_text(t.sizes()), ", expected at most ", ops::kMaxDims, " dimensions");
   ops::Array a{};
-  a.data = t.numel() > 0 ? t.data_ptr() : nullptr;
+  // (The table writes only the outputs, which are made here: an input is read through its
+  // const pointer, which leaves a copy-on-write tensor shared.)
+  a.data = t.numel() > 0 ? const_cast<void*>(t.const_data_ptr()) : nullptr;
   a.device_type = 1;  // kDLCPU
   std::tie(a.code, a.bits) = dlpack_element(t.scalar_type());
   a.ndim = static_cast<std::int32_t>(t.dim());
@@ -128,15 +133,16 @@ std::int64_t handle_of(const at::Tensor& handle, const char* where) {
 
 int threads_of(std::int64_t threads) {
   TORCH_CHECK_VALUE(threads >= 0 && threads <= INT_MAX, "threads = ", threads,
-                    ", expected >= 0 (0: OpenMP's default)");
+                    ", expected 0 <= threads <= ", INT_MAX, " (0: OpenMP's default)");
   return static_cast<int>(threads);
 }
 
-// Before an output's shape is read from the inputs: each has `ndim` dimensions.
+// The Meta kernels' check before they read an output's shape from the inputs: `ndim`
+// dimensions (the real kernels' table checks everything).
 void check_dims(const at::Tensor& t, std::int64_t ndim, const char* where, const char* name,
                 const char* dims) {
-  TORCH_CHECK_VALUE(!t.defined() || t.dim() == ndim, where, ": ", name, " has shape ",
-                    shape_text(t.sizes()), ", expected ", ndim, " dimensions ", dims);
+  TORCH_CHECK_VALUE(t.dim() == ndim, where, ": ", name, " has shape ", shape_text(t.sym_sizes()),
+                    ", expected ", ndim, " dimensions ", dims);
 }
 
 void raise(int status, const char* message) {
@@ -154,10 +160,36 @@ void raise(int status, const char* message) {
 
 constexpr std::size_t kMessageBytes = 1024;
 
-// A new C-contiguous CPU tensor, straight from the CPU allocator (the inputs were found on the
-// CPU; at::empty would go through the dispatcher again).
-at::Tensor empty_cpu(c10::IntArrayRef sizes, at::ScalarType dtype) {
-  return at::Tensor(at::detail::empty_cpu(sizes, dtype));
+// The outputs a call asks for (op_table.h's Allocate), made as C-contiguous CPU tensors
+// straight from the CPU allocator (at::empty would go through the dispatcher again).
+struct Outputs {
+  at::Tensor made[2];
+  int count = 0;
+};
+
+at::ScalarType scalar_type_of(std::uint8_t code, std::uint8_t bits) {
+  if (code == 4 && bits == 16) return at::kBFloat16;
+  TORCH_CHECK(code == 2 && (bits == 16 || bits == 32 || bits == 64),
+              "ovq._torch_ops: asked for an output of DLPack element (", int(code), ", ",
+              int(bits), ")");
+  return bits == 16 ? at::kHalf : bits == 32 ? at::kFloat : at::kDouble;
+}
+
+int allocate_output(void* context, std::int32_t ndim, const std::int64_t* shape,
+                    std::uint8_t code, std::uint8_t bits, ops::Array* out, char* message,
+                    std::size_t capacity) noexcept {
+  try {
+    auto& outputs = *static_cast<Outputs*>(context);
+    TORCH_CHECK(outputs.count < 2, "ovq._torch_ops: asked for a third output");
+    at::Tensor t(at::detail::empty_cpu(c10::IntArrayRef(shape, ndim), scalar_type_of(code, bits)));
+    *out = describe(t, "ovq._torch_ops", "an output");
+    out->data = t.numel() > 0 ? t.data_ptr() : nullptr;
+    outputs.made[outputs.count++] = std::move(t);
+    return ops::kOpOk;
+  } catch (const std::exception& e) {
+    if (capacity > 0) std::snprintf(message, capacity, "%s", e.what());
+    return ops::kOpRuntimeError;
+  }
 }
 
 // ---- CompositeExplicitAutograd: the calls ----
@@ -168,22 +200,14 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& handle, const 
   const char* where = "forward";
   const std::int64_t h = handle_of(handle, where);
   const int n = threads_of(threads);
-  check_dims(q, 4, where, "q", "(B, Hq, T, dk)");
-  check_dims(v, 4, where, "v", "(B, Hkv, T, dv)");
   const ops::Array qa = describe(q, where, "q"), ka = describe(k, where, "k"),
                    va = describe(v, where, "v");
-  at::Tensor out = empty_cpu({q.size(0), q.size(1), q.size(2), v.size(3)}, q.scalar_type());
-  at::Tensor lse;
-  if (with_lse)
-    lse = empty_cpu({q.size(0), q.size(1), q.size(2)},
-                    q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
-  const ops::Array oa = describe(out, where, "out");
-  const ops::Array la = with_lse ? describe(lse, where, "lse") : ops::Array{};
+  Outputs outputs;
   char message[kMessageBytes];
-  raise(table().forward(h, &qa, &ka, &va, &oa, with_lse ? &la : nullptr, n, message,
+  raise(table().forward(h, &qa, &ka, &va, with_lse, allocate_output, &outputs, n, message,
                         sizeof message),
         message);
-  return {out, lse};
+  return {outputs.made[0], outputs.made[1]};
 }
 
 at::Tensor forward_cpu(at::Tensor& handle, const at::Tensor& q, const at::Tensor& k,
@@ -202,15 +226,13 @@ at::Tensor step_cpu(at::Tensor& handle, const at::Tensor& q, const at::Tensor& k
   const char* where = "step";
   const std::int64_t h = handle_of(handle, where);
   const int n = threads_of(threads);
-  check_dims(q, 3, where, "q", "(B, Hq, dk)");
-  check_dims(v, 3, where, "v", "(B, Hkv, dv)");
   const ops::Array qa = describe(q, where, "q"), ka = describe(k, where, "k"),
                    va = describe(v, where, "v");
-  at::Tensor out = empty_cpu({q.size(0), q.size(1), v.size(2)}, q.scalar_type());
-  const ops::Array oa = describe(out, where, "out");
+  Outputs outputs;
   char message[kMessageBytes];
-  raise(table().step(h, &qa, &ka, &va, &oa, n, message, sizeof message), message);
-  return out;
+  raise(table().step(h, &qa, &ka, &va, allocate_output, &outputs, n, message, sizeof message),
+        message);
+  return outputs.made[0];
 }
 
 void absorb_cpu(at::Tensor& handle, const at::Tensor& k, const at::Tensor& v,
@@ -254,95 +276,75 @@ void absorb_meta(at::Tensor&, const at::Tensor&, const at::Tensor&, std::int64_t
 
 // ---- Autograd: forward only ----
 
-// Gives `outputs` a backward that raises, where q, k or v needs a gradient.
-void forward_only(const char* op, std::vector<at::Tensor> outputs, const at::Tensor& q,
-                  const at::Tensor& k, const at::Tensor& v) {
-  namespace ag = torch::autograd;
-  if (!ag::compute_requires_grad(q, k, v)) return;
-  const std::string message =
-      std::string("ovq.torch: the ovq ops are forward only; there is no backward through ") + op +
-      " (detach its inputs, or run it under torch.no_grad())";
-  auto node = c10::make_intrusive<ag::Error>(message, ag::collect_next_edges(q, k, v));
-  ag::set_history(outputs, node);
-}
-
 template <class Signature>
 c10::TypedOperatorHandle<Signature> op_handle(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
-using ForwardSig = at::Tensor(at::Tensor&, const at::Tensor&, const at::Tensor&,
-                              const at::Tensor&, std::int64_t);
-using ForwardLseSig = std::tuple<at::Tensor, at::Tensor>(at::Tensor&, const at::Tensor&,
-                                                         const at::Tensor&, const at::Tensor&,
-                                                         std::int64_t);
+constexpr char kForward[] = "ovq::forward";
+constexpr char kForwardLse[] = "ovq::forward_lse";
+constexpr char kStep[] = "ovq::step";
 
-at::Tensor forward_autograd(at::Tensor& handle, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, std::int64_t threads) {
-  static const auto op = op_handle<ForwardSig>("ovq::forward");
-  at::Tensor out;
+// The op kName below autograd; where q, k or v needs a gradient, its outputs then get a
+// backward that raises (the ops are forward only). Result: a tensor, or (out, lse).
+template <const char* kName, class Result>
+Result forward_only(at::Tensor& handle, const at::Tensor& q, const at::Tensor& k,
+                    const at::Tensor& v, std::int64_t threads) {
+  namespace ag = torch::autograd;
+  static const auto op =
+      op_handle<Result(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                       std::int64_t)>(kName);
+  Result result;
   {
     at::AutoDispatchBelowADInplaceOrView below;
-    out = op.call(handle, q, k, v, threads);
+    result = op.call(handle, q, k, v, threads);
   }
-  forward_only("ovq::forward", {out}, q, k, v);
-  return out;
+  if (ag::compute_requires_grad(q, k, v)) {
+    const std::string message =
+        std::string("ovq.torch: the ovq ops are forward only; there is no backward through ") +
+        kName + " (detach its inputs, or run it under torch.no_grad())";
+    auto node = c10::make_intrusive<ag::Error>(message, ag::collect_next_edges(q, k, v));
+    if constexpr (std::is_same_v<Result, at::Tensor>)
+      ag::set_history(result, node);
+    else
+      ag::set_history({std::get<0>(result), std::get<1>(result)}, node);
+  }
+  return result;
 }
 
-std::tuple<at::Tensor, at::Tensor> forward_lse_autograd(at::Tensor& handle, const at::Tensor& q,
-                                                        const at::Tensor& k, const at::Tensor& v,
-                                                        std::int64_t threads) {
-  static const auto op = op_handle<ForwardLseSig>("ovq::forward_lse");
-  at::Tensor out, lse;
-  {
-    at::AutoDispatchBelowADInplaceOrView below;
-    std::tie(out, lse) = op.call(handle, q, k, v, threads);
-  }
-  forward_only("ovq::forward_lse", {out, lse}, q, k, v);
-  return {out, lse};
-}
+// Registers the ops with the dispatcher (what TORCH_LIBRARY does at load time), here once the
+// table is known good, so that a module that fails to connect registers nothing and ovq.torch
+// can fall back to its Python ops. The libraries live as long as the process.
+void register_ops() {
+  static torch::Library defs(torch::Library::DEF, "ovq", std::nullopt, __FILE__, __LINE__);
+  defs.def("forward(Tensor(a!) handle, Tensor q, Tensor k, Tensor v, int threads) -> Tensor");
+  defs.def("forward_lse(Tensor(a!) handle, Tensor q, Tensor k, Tensor v, int threads) -> "
+           "(Tensor, Tensor)");
+  defs.def("step(Tensor(a!) handle, Tensor q, Tensor k, Tensor v, int threads) -> Tensor");
+  defs.def("absorb(Tensor(a!) handle, Tensor k, Tensor v, int threads) -> ()");
 
-at::Tensor step_autograd(at::Tensor& handle, const at::Tensor& q, const at::Tensor& k,
-                         const at::Tensor& v, std::int64_t threads) {
-  static const auto op = op_handle<ForwardSig>("ovq::step");
-  at::Tensor out;
-  {
-    at::AutoDispatchBelowADInplaceOrView below;
-    out = op.call(handle, q, k, v, threads);
-  }
-  forward_only("ovq::step", {out}, q, k, v);
-  return out;
+  static torch::Library calls(torch::Library::IMPL, "ovq",
+                              c10::DispatchKey::CompositeExplicitAutograd, __FILE__, __LINE__);
+  calls.impl("forward", &forward_cpu);
+  calls.impl("forward_lse", &forward_lse_cpu);
+  calls.impl("step", &step_cpu);
+  calls.impl("absorb", &absorb_cpu);
+
+  static torch::Library meta(torch::Library::IMPL, "ovq", c10::DispatchKey::Meta, __FILE__,
+                             __LINE__);
+  meta.impl("forward", &forward_meta);
+  meta.impl("forward_lse", &forward_lse_meta);
+  meta.impl("step", &step_meta);
+  meta.impl("absorb", &absorb_meta);
+
+  static torch::Library autograd(torch::Library::IMPL, "ovq", c10::DispatchKey::Autograd,
+                                 __FILE__, __LINE__);
+  autograd.impl("forward", &forward_only<kForward, at::Tensor>);
+  autograd.impl("forward_lse", &forward_only<kForwardLse, std::tuple<at::Tensor, at::Tensor>>);
+  autograd.impl("step", &forward_only<kStep, at::Tensor>);
 }
 
 }  // namespace
-
-TORCH_LIBRARY(ovq, m) {
-  m.def("forward(Tensor(a!) handle, Tensor q, Tensor k, Tensor v, int threads) -> Tensor");
-  m.def("forward_lse(Tensor(a!) handle, Tensor q, Tensor k, Tensor v, int threads) -> "
-        "(Tensor, Tensor)");
-  m.def("step(Tensor(a!) handle, Tensor q, Tensor k, Tensor v, int threads) -> Tensor");
-  m.def("absorb(Tensor(a!) handle, Tensor k, Tensor v, int threads) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(ovq, CompositeExplicitAutograd, m) {
-  m.impl("forward", &forward_cpu);
-  m.impl("forward_lse", &forward_lse_cpu);
-  m.impl("step", &step_cpu);
-  m.impl("absorb", &absorb_cpu);
-}
-
-TORCH_LIBRARY_IMPL(ovq, Meta, m) {
-  m.impl("forward", &forward_meta);
-  m.impl("forward_lse", &forward_lse_meta);
-  m.impl("step", &step_meta);
-  m.impl("absorb", &absorb_meta);
-}
-
-TORCH_LIBRARY_IMPL(ovq, Autograd, m) {
-  m.impl("forward", &forward_autograd);
-  m.impl("forward_lse", &forward_lse_autograd);
-  m.impl("step", &step_autograd);
-}
 
 NB_MODULE(_torch_ops, m) {
   m.doc() = "torch.ops.ovq.*: ovq's multi-head layers as PyTorch operators (used by ovq.torch).";
@@ -352,6 +354,7 @@ NB_MODULE(_torch_ops, m) {
   if (t == nullptr) throw nb::python_error();
   if (t->version != ops::kOpTableVersion)
     throw nb::import_error("ovq._torch_ops: ovq._ovq's op table has another version: rebuild "
-                           "ovq (pip install ./python)");
+                           "ovq (pip install --no-build-isolation ./python)");
   g_table.store(t, std::memory_order_release);
+  register_ops();
 }
