@@ -17,11 +17,17 @@ _NEXT_HANDLE = itertools.count(1)
 _LOCK = threading.Lock()
 
 
-def _layer(handle):
+def _layer(handle, where):
+    if (handle.dtype != torch.int64 or handle.numel() != 1 or handle.device.type != "cpu"
+            or handle.layout != torch.strided):
+        raise TypeError(f"{where}: handle is not a layer's handle, expected a one-element int64 "
+                        "CPU tensor (ovq.torch.Attention.handle)")
+    h = handle.item()
     try:
-        return _LAYERS[handle.item()]
+        return _LAYERS[h]
     except KeyError:
-        raise RuntimeError(f"ovq.torch: no layer has handle {handle.item()} (it was freed)") from None
+        raise RuntimeError(f"ovq.torch: no layer has handle {h} (it was freed, or never made)") \
+            from None
 
 
 def register(layer):
@@ -35,7 +41,7 @@ def register(layer):
 @torch.library.custom_op("ovq::forward", mutates_args=("handle",))
 def _forward_op(handle: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 threads: int) -> torch.Tensor:
-    return _layer(handle).forward(q, k, v, threads=threads)
+    return _layer(handle, "forward").forward(q, k, v, threads=threads)
 
 
 @_forward_op.register_fake
@@ -46,7 +52,7 @@ def _(handle, q, k, v, threads):
 @torch.library.custom_op("ovq::forward_lse", mutates_args=("handle",))
 def _forward_lse_op(handle: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     threads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return _layer(handle).forward(q, k, v, return_lse=True, threads=threads)
+    return _layer(handle, "forward").forward(q, k, v, return_lse=True, threads=threads)
 
 
 @_forward_lse_op.register_fake
@@ -58,7 +64,7 @@ def _(handle, q, k, v, threads):
 @torch.library.custom_op("ovq::step", mutates_args=("handle",))
 def _step_op(handle: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              threads: int) -> torch.Tensor:
-    return _layer(handle).step(q, k, v, threads=threads)
+    return _layer(handle, "step").step(q, k, v, threads=threads)
 
 
 @_step_op.register_fake
@@ -68,7 +74,7 @@ def _(handle, q, k, v, threads):
 
 @torch.library.custom_op("ovq::absorb", mutates_args=("handle",))
 def _absorb_op(handle: torch.Tensor, k: torch.Tensor, v: torch.Tensor, threads: int) -> None:
-    _layer(handle).absorb(k, v, threads=threads)
+    _layer(handle, "absorb").absorb(k, v, threads=threads)
 
 
 @_absorb_op.register_fake

@@ -435,6 +435,11 @@ try:
     raise SystemExit("no error")
 except TypeError as e:
     assert "q has dtype float64" in str(e), e
+try:
+    torch.ops.ovq.step(b.handle.double(), *s, 0)
+    raise SystemExit("no error")
+except TypeError as e:
+    assert "handle is not a layer's handle" in str(e), e
 out = torch.ops.ovq.step(b.handle, s[0].clone().requires_grad_(), s[1], s[2], 0)
 try:
     out.sum().backward()
