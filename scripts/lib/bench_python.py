@@ -1,7 +1,7 @@
 """The Python row of scripts/bench: ovq from PyTorch, in one process.
 
-  1. Per-call overhead of a decode step (a small windowed self-attention step, H = 8, d = 64,
-     64 cached rows, so the step itself costs microseconds): the same step through
+  1. Per-call overhead of a decode step (a tiny windowed self-attention step on one thread,
+     H = 1, d = 16, 8 cached rows, which costs well under a microsecond): the same step through
      ovq.torch's layer (eager), through the registered op's overload torch.ops.ovq.step.default
      (what torch.compile's generated code calls), and through ovq.MultiHead, against the step
      looped in C++.
@@ -45,27 +45,29 @@ def best_time(fn, min_time, repetitions, per_call=1):
 
 
 def overhead(args):
-    heads, d, window = 8, 64, 65
-    layer = otorch.SelfAttention(1, heads, heads, d, d, window=window, threads=args.threads)
+    # A tiny step on one thread: no OpenMP fork and join on either side of the subtraction, and
+    # a step whose own variation is far below the call paths' costs.
+    heads, d, window, threads = 1, 16, 8, 1
+    layer = otorch.SelfAttention(1, heads, heads, d, d, window=window, threads=threads)
     g = torch.Generator().manual_seed(0)
     layer.absorb(torch.randn(1, heads, window, d, generator=g),
                  torch.randn(1, heads, window, d, generator=g))
     q, k, v = (torch.randn(1, heads, d, generator=g) for _ in range(3))
     out = torch.empty(1, heads, d)
-    iters = 2000
+    iters = 20000
     impl = layer.layer._impl
     step_op = torch.ops.ovq.step.default  # the overload Inductor's generated code calls
-    cxx = min(impl._time_steps(q, k, v, out, iters, args.threads) for _ in range(args.repetitions))
+    cxx = min(impl._time_steps(q, k, v, out, iters, threads) for _ in range(args.repetitions))
     rows = {
         "C++ loop (MultiHead::step)": cxx,
         "ovq.MultiHead.step": best_time(lambda: layer.layer.step(q, k, v, out=out,
-                                                                 threads=args.threads),
+                                                                 threads=threads),
                                         args.min_time, args.repetitions),
         "ovq.torch layer.step (eager)": best_time(lambda: layer.step(q, k, v), args.min_time,
                                                   args.repetitions),
         f"torch.ops.ovq.step.default (what compiled code calls; "
         f"{'C++' if otorch.NATIVE_OPS else 'Python'} op)": best_time(
-            lambda: step_op(layer.handle, q, k, v, args.threads), args.min_time,
+            lambda: step_op(layer.handle, q, k, v, threads), args.min_time,
             args.repetitions),
     }
     return [{"path": name, "us_per_call": 1e6 * t, "overhead_us": 1e6 * (t - cxx)}
