@@ -38,15 +38,23 @@ def register(layer):
     return h
 
 
-@torch.library.custom_op("ovq::forward", mutates_args=("handle",))
-def _forward_op(handle: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                threads: int) -> torch.Tensor:
-    return _layer(handle, "forward").forward(q, k, v, threads=threads)
+def _one_output_op(name):
+    """ovq::forward or ovq::step: the layer's method of that name, one output (B, Hq, [T,] dv)."""
+
+    @torch.library.custom_op(f"ovq::{name}", mutates_args=("handle",))
+    def op(handle: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           threads: int) -> torch.Tensor:
+        return getattr(_layer(handle, name), name)(q, k, v, threads=threads)
+
+    @op.register_fake
+    def _(handle, q, k, v, threads):
+        return q.new_empty(q.shape[:-1] + (v.shape[-1],))
+
+    return op
 
 
-@_forward_op.register_fake
-def _(handle, q, k, v, threads):
-    return q.new_empty(q.shape[:-1] + (v.shape[-1],))
+_forward_op = _one_output_op("forward")
+_step_op = _one_output_op("step")
 
 
 @torch.library.custom_op("ovq::forward_lse", mutates_args=("handle",))
@@ -59,17 +67,6 @@ def _forward_lse_op(handle: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
 def _(handle, q, k, v, threads):
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return (q.new_empty(q.shape[:-1] + (v.shape[-1],)), q.new_empty(q.shape[:-1], dtype=lse_dtype))
-
-
-@torch.library.custom_op("ovq::step", mutates_args=("handle",))
-def _step_op(handle: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             threads: int) -> torch.Tensor:
-    return _layer(handle, "step").step(q, k, v, threads=threads)
-
-
-@_step_op.register_fake
-def _(handle, q, k, v, threads):
-    return q.new_empty(q.shape[:-1] + (v.shape[-1],))
 
 
 @torch.library.custom_op("ovq::absorb", mutates_args=("handle",))

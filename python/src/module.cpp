@@ -607,7 +607,8 @@ class ThreadScope {
 // the torch ops' calls (op_table.h) do not.
 class WithoutGil {
  public:
-  WithoutGil() : saved_(Py_IsInitialized() && PyGILState_Check() ? PyEval_SaveThread() : nullptr) {}
+  WithoutGil()
+      : saved_(Py_IsInitialized() && PyGILState_Check() ? PyEval_SaveThread() : nullptr) {}
   ~WithoutGil() {
     if (saved_ != nullptr) PyEval_RestoreThread(saved_);
   }
