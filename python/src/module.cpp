@@ -191,11 +191,6 @@ ConstRowsView<S> rows_of(const A& a) {
   for (std::size_t i = 0; i + 1 < a.ndim(); ++i) rows *= static_cast<Index>(a.shape(i));
   return {static_cast<const S*>(a.data()), rows, cols, cols};
 }
-template <class S>
-RowsView<S> rows_of(const OutArray& a) {
-  const ConstRowsView<S> r = rows_of<S>(as_input(a));
-  return {const_cast<S*>(r.data), r.rows, r.cols, r.stride};
-}
 // An output's rows, writable.
 template <class S, class A>
 RowsView<S> out_rows_of(const A& a) {
@@ -903,7 +898,7 @@ void read_call(const char* where, std::size_t ndim, const PyMixer<F>& self, PySt
       lse_ptr = static_cast<Compute<S>*>(lse->data());
     }
     const ConstRowsView<S> qv = rows_of<S>(q);
-    const RowsView<S> ov = rows_of<S>(out);
+    const RowsView<S> ov = out_rows_of<S>(out);
     nb::gil_scoped_release release;
     std::lock_guard<std::mutex> lock(*st.mutex);
     ThreadScope scope(threads);
@@ -1173,7 +1168,7 @@ double mh_time_steps(PyMultiHead<F>& self, const InArray& q, const InArray& k, c
       [&](auto& layer) {
         using S = typename std::decay_t<decltype(layer)>::Scalar;
         const ConstRowsView<S> qv = rows_of<S>(q), kv = rows_of<S>(k), vv = rows_of<S>(v);
-        const RowsView<S> ov = rows_of<S>(out);
+        const RowsView<S> ov = out_rows_of<S>(out);
         using Map = Eigen::Map<const RowMatrix<S>>;
         const Map qm(qv.data, qv.rows, qv.cols), km(kv.data, kv.rows, kv.cols),
             vm(vv.data, vv.rows, vv.cols);
@@ -1281,7 +1276,8 @@ std::int64_t op_handle_of(PyMultiHead<F>& self) {
 // alive, and an error returned as its kind and message.
 template <class Call>
 int run_op(std::int64_t handle, char* message, std::size_t capacity, Call&& call) {
-  // Before any lock: a layer's destructor waits for its target's lock holding the GIL.
+  // Without the GIL for the whole call (where the caller holds it): waiting for the layer's
+  // locks would otherwise stall every Python thread.
   WithoutGil release;
   const auto fail = [&](int kind, const char* what) {
     if (capacity > 0) std::snprintf(message, capacity, "%s", what);
@@ -1316,19 +1312,12 @@ int run_op(std::int64_t handle, char* message, std::size_t capacity, Call&& call
 
 const ops::Table kOpTable = {
     ops::kOpTableVersion,
-    [](std::int64_t handle, const ops::Array* q, const ops::Array* k, const ops::Array* v,
-       bool with_lse, ops::Allocate allocate, void* context, int threads, char* message,
-       std::size_t capacity) {
+    [](std::int64_t handle, std::int32_t ndim, const ops::Array* q, const ops::Array* k,
+       const ops::Array* v, bool with_lse, ops::Allocate allocate, void* context, int threads,
+       char* message, std::size_t capacity) {
       return run_op(handle, message, capacity, [&](const LayerOps& o, void* layer) {
-        o.read(layer, 4, PlainArray{q}, PlainArray{k}, PlainArray{v}, with_lse,
-               OpAllocator{allocate, context}, threads);
-      });
-    },
-    [](std::int64_t handle, const ops::Array* q, const ops::Array* k, const ops::Array* v,
-       ops::Allocate allocate, void* context, int threads, char* message, std::size_t capacity) {
-      return run_op(handle, message, capacity, [&](const LayerOps& o, void* layer) {
-        o.read(layer, 3, PlainArray{q}, PlainArray{k}, PlainArray{v}, false,
-               OpAllocator{allocate, context}, threads);
+        o.read(layer, static_cast<std::size_t>(ndim), PlainArray{q}, PlainArray{k},
+               PlainArray{v}, with_lse, OpAllocator{allocate, context}, threads);
       });
     },
     [](std::int64_t handle, const ops::Array* k, const ops::Array* v, int threads,
@@ -1826,7 +1815,7 @@ void merge(const OutArray& o_a, const OutArray& lse_a, const InArray& o_b, const
                                   " must have o_a's shape without its last dimension, ", shape_string(oa)).c_str());
     check_disjoint(where, "o_a", oa, {{"lse_a", &la}, {"o_b", &o_b}, {"lse_b", &lse_b}});
     check_disjoint(where, "lse_a", la, {{"o_b", &o_b}, {"lse_b", &lse_b}});
-    const RowsView<S> a = rows_of<S>(o_a);
+    const RowsView<S> a = out_rows_of<S>(o_a);
     const ConstRowsView<S> b = rows_of<S>(o_b);
     nb::gil_scoped_release release;
     merge_partials(a, static_cast<C*>(lse_a.data()), b, static_cast<const C*>(lse_b.data()));

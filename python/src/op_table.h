@@ -17,7 +17,7 @@
 namespace ovq::python::ops {
 
 inline constexpr const char* kOpTableCapsule = "ovq._ovq.op_table";
-inline constexpr std::uint32_t kOpTableVersion = 2;
+inline constexpr std::uint32_t kOpTableVersion = 3;
 inline constexpr int kMaxDims = 8;
 
 // A strided array in memory: DLPack's element codes (kDLFloat 2, kDLBfloat 4, ...), device
@@ -44,15 +44,12 @@ using Allocate = int (*)(void* context, std::int32_t ndim, const std::int64_t* s
 
 struct Table {
   std::uint32_t version;  // kOpTableVersion
-  // q (B, Hq, T, dk), k (B, Hkv, T, dk), v (B, Hkv, T, dv) -> out (B, Hq, T, dv), and lse
-  // (B, Hq, T) with `with_lse`.
-  int (*forward)(std::int64_t handle, const Array* q, const Array* k, const Array* v,
-                 bool with_lse, Allocate allocate, void* context, int threads, char* message,
-                 std::size_t capacity);
-  // q (B, Hq, dk), k (B, Hkv, dk), v (B, Hkv, dv) -> out (B, Hq, dv).
-  int (*step)(std::int64_t handle, const Array* q, const Array* k, const Array* v,
-              Allocate allocate, void* context, int threads, char* message,
-              std::size_t capacity);
+  // ndim 4, forward: q (B, Hq, T, dk), k (B, Hkv, T, dk), v (B, Hkv, T, dv) -> out
+  // (B, Hq, T, dv), and lse (B, Hq, T) with `with_lse`. ndim 3, step: the same without T (and
+  // no lse).
+  int (*read)(std::int64_t handle, std::int32_t ndim, const Array* q, const Array* k,
+              const Array* v, bool with_lse, Allocate allocate, void* context, int threads,
+              char* message, std::size_t capacity);
   // k (B, Hkv, T, dk), v (B, Hkv, T, dv) into the states.
   int (*absorb)(std::int64_t handle, const Array* k, const Array* v, int threads, char* message,
                 std::size_t capacity);

@@ -28,7 +28,6 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
 
-#include <atomic>
 #include <climits>
 #include <cstdio>
 #include <cstdint>
@@ -45,14 +44,8 @@ namespace ops = ovq::python::ops;
 
 namespace {
 
-std::atomic<const ops::Table*> g_table{nullptr};
-
-const ops::Table& table() {
-  const ops::Table* t = g_table.load(std::memory_order_acquire);
-  TORCH_CHECK(t != nullptr, "ovq._torch_ops: the ops are not connected to ovq._ovq (import "
-              "ovq.torch, which does it)");
-  return *t;
-}
+// ovq._ovq's table: set by the module's init before it registers the ops.
+const ops::Table* g_table = nullptr;
 
 // "(2, 8, 64)", as the extension writes shapes (sizes, or a fake tensor's symbolic sizes).
 template <class Size>
@@ -183,7 +176,6 @@ int allocate_output(void* context, std::int32_t ndim, const std::int64_t* shape,
     TORCH_CHECK(outputs.count < 2, "ovq._torch_ops: asked for a third output");
     at::Tensor t(at::detail::empty_cpu(c10::IntArrayRef(shape, ndim), scalar_type_of(code, bits)));
     *out = describe(t, "ovq._torch_ops", "an output");
-    out->data = t.numel() > 0 ? t.data_ptr() : nullptr;
     outputs.made[outputs.count++] = std::move(t);
     return ops::kOpOk;
   } catch (const std::exception& e) {
@@ -194,45 +186,37 @@ int allocate_output(void* context, std::int32_t ndim, const std::int64_t* shape,
 
 // ---- CompositeExplicitAutograd: the calls ----
 
-std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& handle, const at::Tensor& q,
-                                                const at::Tensor& k, const at::Tensor& v,
-                                                std::int64_t threads, bool with_lse) {
-  const char* where = "forward";
+// forward (ndim 4, with or without lse) or step (ndim 3): (out, lse or undefined).
+std::tuple<at::Tensor, at::Tensor> read(const char* where, std::int32_t ndim,
+                                        const at::Tensor& handle, const at::Tensor& q,
+                                        const at::Tensor& k, const at::Tensor& v,
+                                        std::int64_t threads, bool with_lse) {
   const std::int64_t h = handle_of(handle, where);
   const int n = threads_of(threads);
   const ops::Array qa = describe(q, where, "q"), ka = describe(k, where, "k"),
                    va = describe(v, where, "v");
   Outputs outputs;
   char message[kMessageBytes];
-  raise(table().forward(h, &qa, &ka, &va, with_lse, allocate_output, &outputs, n, message,
-                        sizeof message),
+  raise(g_table->read(h, ndim, &qa, &ka, &va, with_lse, allocate_output, &outputs, n, message,
+                      sizeof message),
         message);
   return {outputs.made[0], outputs.made[1]};
 }
 
 at::Tensor forward_cpu(at::Tensor& handle, const at::Tensor& q, const at::Tensor& k,
                        const at::Tensor& v, std::int64_t threads) {
-  return std::get<0>(forward_impl(handle, q, k, v, threads, false));
+  return std::get<0>(read("forward", 4, handle, q, k, v, threads, false));
 }
 
 std::tuple<at::Tensor, at::Tensor> forward_lse_cpu(at::Tensor& handle, const at::Tensor& q,
                                                    const at::Tensor& k, const at::Tensor& v,
                                                    std::int64_t threads) {
-  return forward_impl(handle, q, k, v, threads, true);
+  return read("forward", 4, handle, q, k, v, threads, true);
 }
 
 at::Tensor step_cpu(at::Tensor& handle, const at::Tensor& q, const at::Tensor& k,
                     const at::Tensor& v, std::int64_t threads) {
-  const char* where = "step";
-  const std::int64_t h = handle_of(handle, where);
-  const int n = threads_of(threads);
-  const ops::Array qa = describe(q, where, "q"), ka = describe(k, where, "k"),
-                   va = describe(v, where, "v");
-  Outputs outputs;
-  char message[kMessageBytes];
-  raise(table().step(h, &qa, &ka, &va, allocate_output, &outputs, n, message, sizeof message),
-        message);
-  return outputs.made[0];
+  return std::get<0>(read("step", 3, handle, q, k, v, threads, false));
 }
 
 void absorb_cpu(at::Tensor& handle, const at::Tensor& k, const at::Tensor& v,
@@ -242,7 +226,7 @@ void absorb_cpu(at::Tensor& handle, const at::Tensor& k, const at::Tensor& v,
   const int n = threads_of(threads);
   const ops::Array ka = describe(k, where, "k"), va = describe(v, where, "v");
   char message[kMessageBytes];
-  raise(table().absorb(h, &ka, &va, n, message, sizeof message), message);
+  raise(g_table->absorb(h, &ka, &va, n, message, sizeof message), message);
 }
 
 // ---- Meta: the outputs' shapes ----
@@ -355,6 +339,6 @@ NB_MODULE(_torch_ops, m) {
   if (t->version != ops::kOpTableVersion)
     throw nb::import_error("ovq._torch_ops: ovq._ovq's op table has another version: rebuild "
                            "ovq (pip install --no-build-isolation ./python)");
-  g_table.store(t, std::memory_order_release);
+  g_table = t;
   register_ops();
 }
