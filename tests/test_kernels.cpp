@@ -7,6 +7,7 @@
 #include <iterator>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -607,11 +608,13 @@ TEMPLATE_TEST_CASE("read kernel: a long decode split across threads == the prefi
 TEMPLATE_TEST_CASE("read kernel: a grouped decode over a long memory == each head alone",
                    "[kernels][read]", float, double) {
   // 2100 memory rows of 128 + 128 scalars (2.1 MB in float) read by 2 to 8 stacked rows: the
-  // read prefetches its stream (read_detail::kPrefetchMinBytes), which a single head does not.
-  // Keys and values are strided views into wider matrices (the prefetch walks rows, not one
-  // block). Stacking changes no bit of a row, so the group must equal its heads read alone.
+  // read prefetches its stream (read_detail::kPrefetchMinBytes; from 2 float rows, 4 double
+  // ones), which a single float head does not. Keys and values are strided views into wider
+  // matrices (the prefetch walks rows, not one block). Stacking changes no bit of a row, so the
+  // group must equal its heads read alone.
   const Index n_memory = 2100, d = 128, pad = 8;
-  STATIC_REQUIRE(kernels::read_detail::kPrefetchMinRows <= 2);
+  STATIC_REQUIRE(kernels::read_detail::kPrefetchMinRows<float> == 2);
+  STATIC_REQUIRE(kernels::read_detail::kPrefetchMinRows<double> == 4);
   REQUIRE(static_cast<double>(n_memory) * 2 * d * sizeof(float) >=
           kernels::read_detail::kPrefetchMinBytes);
   const auto km = random_matrix<TestType>(n_memory, d + pad, 41);
@@ -657,6 +660,37 @@ TEMPLATE_TEST_CASE("read kernel: a grouped decode over a long memory == each hea
       CHECK(relative_error(grouped[0], want) < 10 * test::tolerance<TestType>());
     }
   }
+}
+
+TEMPLATE_TEST_CASE("read kernel: a 16-bit decode row over a long memory (prefetched) == its row in "
+                   "a prefill tile (not prefetched)",
+                   "[kernels][read][half]", bf16, fp16) {
+  // 4200 memory rows of 128 + 128 16-bit elements (2.15 MB): a single 16-bit row prefetches its
+  // stream (read_detail::kPrefetchMinRows), 9 rows in one tile do not (kPrefetchMaxRows). A
+  // row's bits do not depend on its tile, so each decode row must equal its row of the prefill.
+  const Index boundary = 4200, count = 9, n = boundary + count, d = 128;
+  STATIC_REQUIRE(kernels::read_detail::kPrefetchMinRows<TestType> == 1);
+  STATIC_REQUIRE(count > kernels::read_detail::kPrefetchMaxRows);
+  REQUIRE(static_cast<double>(boundary) * 2 * d * sizeof(TestType) >=
+          kernels::read_detail::kPrefetchMinBytes);
+  const auto q = random_matrix<TestType>(n, d, 61, 0.3);
+  const auto k = random_matrix<TestType>(n, d, 62);
+  const auto v = random_matrix<TestType>(n, d, 63);
+  const auto check = [&](auto arch) {
+    using Arch = decltype(arch);
+    INFO(Arch::kName);
+    const RowMatrix<TestType> prefill =
+        read_positions<TestType, Arch>(q, k, v, 0, boundary, boundary, count, 0);
+    for (Index i = boundary; i < n; i += 4) {
+      const RowMatrix<TestType> alone = read_positions<TestType, Arch>(q, k, v, 0, i, i, 1, 0);
+      CAPTURE(i);
+      CHECK(alone.row(0) == prefill.row(i - boundary));
+    }
+  };
+  check(arch::native{});
+#if defined(OVQ_ARCH_AMX)
+  if constexpr (std::is_same_v<TestType, bf16>) check(arch::amx{});
+#endif
 }
 
 // Records the cache lines a TileStream asks for, in order.

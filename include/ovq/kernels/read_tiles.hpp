@@ -47,9 +47,9 @@ template <class Element>
 struct KeyAxis : KeyAxisGeometry {
   MemoryRows<Element> memory;
   LocalRows<Element> local;  // only the rows some query can see
-  // Set for a grouped-query decode over a long memory (kPrefetchMinRows): such a step reads
-  // every memory row once, from L3 or DRAM, and the hardware prefetcher alone lets the stream
-  // stall while a tile is computed. Each tile asks for the next tile's memory rows, paced over
+  // Set for a decode over a long memory with enough arithmetic per byte (kPrefetchMinRows):
+  // such a step reads every memory row once, from L3 or DRAM, and the hardware prefetcher alone
+  // lets the stream stall while a tile is computed. Each tile asks for the next tile's memory rows, paced over
   // its own arithmetic (TileStream).
   bool prefetch = false;
 
@@ -257,7 +257,8 @@ class TileReader {
     n_tiles_ = (n_pos_ + positions_per_tile_ - 1) / positions_per_tile_;
     // Buffers sized for the rows a tile really holds: a decode step stacks `heads` rows, not 64.
     tile_rows_ = std::min(positions_per_tile_, n_pos_) * heads;
-    axis_.prefetch = tile_rows_ >= prefetch_min_rows_v<Ops> && tile_rows_ <= kPrefetchMaxRows &&
+    axis_.prefetch = tile_rows_ >= kPrefetchMinRows<Element> &&
+                     tile_rows_ <= kPrefetchMaxRows &&
                      static_cast<double>(memory.keys.rows) * static_cast<double>(dk_ + dv_) *
                              sizeof(Element) >= kPrefetchMinBytes;
     if constexpr (packs_keys_v<Ops>) {

@@ -1,37 +1,35 @@
 #pragma once
 // The prefetch stream of the CPU read: while a key tile is computed, the next tile's memory rows
 // are asked for, a few cache lines at a time, paced by the micro-kernels' flops (TileOps'
-// pacing hook). Used by grouped-query decode steps over a long memory, and by single-row ones
-// on AMX tiles (KeyAxis::prefetch, prefetch_min_rows_v).
+// pacing hook). Used by decode steps over a long memory (KeyAxis::prefetch).
 // A hint only: no fault, no effect on any result.
 #include <cstdint>
-#include <type_traits>
 
 #include "ovq/core/views.hpp"
 #include "ovq/kernels/read_contract.hpp"
 
 namespace ovq::kernels::read_detail {
 
-// Grouped-query decode reads prefetch their stream (KeyAxis::prefetch): 2 to 8 stacked rows per
-// tile, over memory rows of at least 2 MiB (keys and values). A single row is followed well by the
-// hardware prefetcher alone, and rows already in a cache would only pay for the instructions.
-inline constexpr Index kPrefetchMinRows = 2;
+// A decode step over memory rows of at least 2 MiB (keys and values) prefetches its stream
+// (KeyAxis::prefetch) where its arithmetic reaches one flop per streamed byte (2 flops per
+// element per stacked row): from 2 stacked float rows, 1 row of 16-bit elements (widened or
+// paired before their products), 4 of double; up to 8 rows. With less arithmetic per byte the
+// hardware prefetcher keeps up alone (one float row), with more rows the tile's arithmetic hides
+// the loads, and rows already in a cache would only pay for the instructions. (A single bf16 row
+// on AMX tiles needs it most: a tile load waits for all of its 16 rows.)
+template <class Element>
+inline constexpr Index kPrefetchMinRows = Index(sizeof(Element)) / 2;
 inline constexpr Index kPrefetchMaxRows = 8;
 inline constexpr double kPrefetchMinBytes = 2.0 * 1024.0 * 1024.0;
 
-// The fewest stacked rows whose decode prefetches: Ops::kPrefetchMinRows where the kernels set
-// it, kPrefetchMinRows otherwise.
-template <class Ops, class = void>
-inline constexpr Index prefetch_min_rows_v = kPrefetchMinRows;
-template <class Ops>
-inline constexpr Index prefetch_min_rows_v<Ops, std::void_t<decltype(Ops::kPrefetchMinRows)>> =
-    Ops::kPrefetchMinRows;
-
-// Asks for one cache line (a hint: no fault, no effect on any result).
+// Asks for one cache line into the outer caches (L2 on x86: prefetcht2), not L1 (a hint: no
+// fault, no effect on any result): a prefetch into L1 holds one of the core's few L1 miss buffers
+// until its line arrives, so a long stream of them fills those buffers and stalls the core's own
+// loads behind them; L2 has many more.
 struct CachePrefetch {
   static void line(const void* address) {
 #if defined(__GNUC__) || defined(__clang__)
-    __builtin_prefetch(address, 0, 3);
+    __builtin_prefetch(address, 0, 1);
 #else
     (void)address;
 #endif

@@ -338,10 +338,6 @@ struct TileOps : Base {
   static constexpr Index kGroups = kKeyTile / kTileRows;  // 16-key groups: one C tile each
   static constexpr bool kPairedValues = true;
   using Query = bf16;
-  // A decode step of a single row prefetches its stream too (read_tiles.hpp): a tile load
-  // waits for all of its 16 rows, so the hardware prefetcher alone leaves it stalled. (So does
-  // the AVX512-BF16 fallback of TileOps<bf16, arch::amx>: the same bits, another pace.)
-  static constexpr Index kPrefetchMinRows = 1;
 
   // Per-thread packing space, reused from call to call.
   struct Scratch {
@@ -610,7 +606,6 @@ template <>
 struct TileOps<bf16, arch::amx> : TileOps<bf16, arch::avx512bf16> {
   using Fallback = TileOps<bf16, arch::avx512bf16>;
   using Tiles = amx::TileOps<amx::HardwareTiles, Fallback, amx::Avx512Packing>;
-  static constexpr Index kPrefetchMinRows = Tiles::kPrefetchMinRows;
   template <class Q, class Pacing = NoPacing>
   static void scores_rows(const Q* q, Index q_stride, Index bq, const bf16* const* keys, Index d,
                           float beta, float* s, Pacing pacing = {}) {
