@@ -292,11 +292,12 @@ TEMPLATE_TEST_CASE("errors: NaN or infinity anywhere in Q, K or V is rejected, s
   CHECK(state == before);
 }
 
-// The branch-free finiteness test (eight floats at a time on AVX2, a scalar tail) against
-// std::isfinite: every length up to 40, every start alignment, every position of one special
-// value; and check_finite names the first non-finite entry when a row holds two.
+// The branch-free finiteness test (a vector at a time on AVX2: 4 doubles, 8 floats, 16 16-bit
+// elements; a scalar tail) against std::isfinite: every length up to 40, every start alignment,
+// every position of one special value; and check_finite names the first non-finite entry when a
+// row holds two.
 TEMPLATE_TEST_CASE("errors: the finiteness check agrees with std::isfinite everywhere",
-                   "[errors]", float, double) {
+                   "[errors]", float, double, ovq::bf16, ovq::fp16) {
   using S = TestType;
   const S specials[] = {std::numeric_limits<S>::infinity(), -std::numeric_limits<S>::infinity(),
                         std::numeric_limits<S>::quiet_NaN(), -std::numeric_limits<S>::quiet_NaN(),

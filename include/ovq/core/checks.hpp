@@ -69,24 +69,33 @@ struct FloatBits<Scalar, std::enable_if_t<is_half_v<Scalar>>> {
   }
 };
 
-// Whether x[0, n) are all finite, without a branch per entry (eight floats at a time on AVX2):
-// every call checks all of its inputs once, so this is on every call's path.
-// Reference: all_finite_reference.
+// Whether x[0, n) are all finite, without a branch per entry (a vector of exponent fields at a
+// time on AVX2, 16-bit elements included): every call checks all of its inputs once, so this is
+// on every call's path. Reference: all_finite_reference.
 template <class Scalar>
 bool all_finite(const Scalar* x, Index n) {
   using F = FloatBits<Scalar>;
   Index j = 0;
   bool any_bad = false;
 #if defined(OVQ_ARCH_AVX2)
-  if constexpr (std::is_same_v<Scalar, float>) {
-    const __m256i exponent = _mm256_set1_epi32(static_cast<int>(F::kExponent));
-    __m256i bad = _mm256_setzero_si256();
-    for (; j + 8 <= n; j += 8) {
-      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + j));
-      bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(bits, exponent), exponent));
+  constexpr Index kLanes = 32 / sizeof(Scalar);
+  const auto exponent_is_full = [](__m256i bits) {
+    if constexpr (sizeof(Scalar) == 2) {
+      const __m256i e = _mm256_set1_epi16(static_cast<short>(F::kExponent));
+      return _mm256_cmpeq_epi16(_mm256_and_si256(bits, e), e);
+    } else if constexpr (sizeof(Scalar) == 4) {
+      const __m256i e = _mm256_set1_epi32(static_cast<int>(F::kExponent));
+      return _mm256_cmpeq_epi32(_mm256_and_si256(bits, e), e);
+    } else {
+      const __m256i e = _mm256_set1_epi64x(static_cast<long long>(F::kExponent));
+      return _mm256_cmpeq_epi64(_mm256_and_si256(bits, e), e);
     }
-    any_bad = !_mm256_testz_si256(bad, bad);
-  }
+  };
+  __m256i bad = _mm256_setzero_si256();
+  for (; j + kLanes <= n; j += kLanes)
+    bad = _mm256_or_si256(
+        bad, exponent_is_full(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + j))));
+  any_bad = !_mm256_testz_si256(bad, bad);
 #endif
   for (; j < n; ++j) any_bad |= F::not_finite(x[j]);
   return !any_bad;
