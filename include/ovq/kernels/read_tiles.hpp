@@ -134,12 +134,13 @@ struct TileBuffers {
 //
 // Pacing: StreamPacing where axis.prefetch is set (the tile streams the next one), else
 // NoPacing.
-// packed: the tile's keys packed by Ops::pack_keys, or null.
+// packed: the tile's keys packed by Ops::pack_keys, or null; packed_values: its values packed by
+// Ops::pack_values, or null.
 template <class Element, class Ops, class Pacing>
 void fold_key_tile(const KeyAxis<Element>& axis, Index tile, Index p0, Index heads, Index bq,
                    Index dk, Index dv, compute_t<Element> beta,
                    TileBuffers<Element, typename Ops::Query>& buf, Pacing pacing,
-                   const packed_word_t<Ops>* packed) {
+                   const packed_word_t<Ops>* packed, const packed_word_t<Ops>* packed_values) {
   using Compute = compute_t<Element>;
   constexpr bool kStream = std::is_same_v<Pacing, StreamPacing<Element>>;
   constexpr Index kTile = Ops::kKeyTile;
@@ -210,9 +211,18 @@ void fold_key_tile(const KeyAxis<Element>& axis, Index tile, Index p0, Index hea
     st.m = m_new;
   }
   if constexpr (Ops::kPairedValues) {  // P V over the whole tile at once, in slot pairs
-    const Element* values[kTile];
-    tile_values<Element, kTile>(axis, tile, values);
-    Ops::accumulate_tile(s, bq, values, dv, buf.acc.data(), dv, pacing);
+    bool accumulated = false;
+    if constexpr (packs_values_v<Ops>) {
+      if (packed_values != nullptr) {
+        Ops::accumulate_tile_packed(s, bq, packed_values, dv, buf.acc.data(), dv, pacing);
+        accumulated = true;
+      }
+    }
+    if (!accumulated) {
+      const Element* values[kTile];
+      tile_values<Element, kTile>(axis, tile, values);
+      Ops::accumulate_tile(s, bq, values, dv, buf.acc.data(), dv, pacing);
+    }
     if constexpr (kStream) pacing.stream->finish();
     return;
   }
@@ -261,9 +271,7 @@ class TileReader {
                      tile_rows_ <= kPrefetchMaxRows &&
                      static_cast<double>(memory.keys.rows) * static_cast<double>(dk_ + dv_) *
                              sizeof(Element) >= kPrefetchMinBytes;
-    if constexpr (packs_keys_v<Ops>) {
-      if (n_tiles_ > 1 && axis_.end() > axis_.pad && Ops::packs_keys()) pack_keys();
-    }
+    if (n_tiles_ > 1 && axis_.end() > axis_.pad) pack_tiles();
   }
 
   void run() const {
@@ -283,15 +291,40 @@ class TileReader {
            static_cast<double>(dk_ + dv_);
   }
 
-  // Every key tile packed once (Ops::pack_keys), on the threads the read will run on.
-  void pack_keys() {
-    packed_words_ = Ops::packed_key_words(dk_);
+  // Every key tile's keys (Ops::pack_keys) and values (Ops::pack_values) packed once, where the
+  // kernels pack them, on the threads the read will run on.
+  void pack_tiles() {
+    bool keys = false, values = false;
+    if constexpr (packs_keys_v<Ops>) keys = Ops::packs_keys();
+    if constexpr (packs_values_v<Ops>) values = Ops::packs_values();
+    if (!keys && !values) return;
     const Index tiles = (axis_.end() + kTile - 1) / kTile;
-    packed_keys_.resize(static_cast<std::size_t>(tiles * packed_words_));
+    if constexpr (packs_keys_v<Ops>) {
+      if (keys) {
+        packed_words_ = Ops::packed_key_words(dk_);
+        packed_keys_.resize(static_cast<std::size_t>(tiles * packed_words_));
+      }
+    }
+    if constexpr (packs_values_v<Ops>) {
+      if (values) {
+        packed_value_words_ = Ops::packed_value_words(dv_);
+        packed_values_.resize(static_cast<std::size_t>(tiles * packed_value_words_));
+      }
+    }
     const auto pack = [&](Index t) {
-      const Element* keys[kTile];
-      tile_keys<Element, kTile>(axis_, t, keys);
-      Ops::pack_keys(keys, dk_, packed_keys_.data() + t * packed_words_);
+      const Element* rows[kTile];
+      if constexpr (packs_keys_v<Ops>) {
+        if (keys) {
+          tile_keys<Element, kTile>(axis_, t, rows);
+          Ops::pack_keys(rows, dk_, packed_keys_.data() + t * packed_words_);
+        }
+      }
+      if constexpr (packs_values_v<Ops>) {
+        if (values) {
+          tile_values<Element, kTile>(axis_, t, rows);
+          Ops::pack_values(rows, dv_, packed_values_.data() + t * packed_value_words_);
+        }
+      }
     };
     const Index first = axis_.pad / kTile;
 #if defined(OVQ_HAS_OPENMP)
@@ -343,12 +376,14 @@ class TileReader {
     for (Index t = first; t <= last; ++t) {
       const packed_word_t<Ops>* packed =
           packed_keys_.empty() ? nullptr : packed_keys_.data() + t * packed_words_;
+      const packed_word_t<Ops>* packed_values =
+          packed_values_.empty() ? nullptr : packed_values_.data() + t * packed_value_words_;
       if (axis_.prefetch) {
         fold_key_tile<Element, Ops>(axis_, t, p0, heads_, bq, dk_, dv_, beta_, buf,
-                                   StreamPacing<Element>{&buf.stream}, packed);
+                                   StreamPacing<Element>{&buf.stream}, packed, packed_values);
       } else {
         fold_key_tile<Element, Ops>(axis_, t, p0, heads_, bq, dk_, dv_, beta_, buf, NoPacing{},
-                                   packed);
+                                   packed, packed_values);
       }
     }
   }
@@ -466,8 +501,9 @@ class TileReader {
   Compute beta_;
   KeyAxis<Element> axis_;
   Index positions_per_tile_ = 1, n_tiles_ = 0, tile_rows_ = 0;
-  AlignedVector<packed_word_t<Ops>> packed_keys_;  // Ops::pack_keys of every key tile, or empty
-  Index packed_words_ = 0;                          // words per packed tile
+  AlignedVector<packed_word_t<Ops>> packed_keys_;    // Ops::pack_keys of every tile, or empty
+  AlignedVector<packed_word_t<Ops>> packed_values_;  // Ops::pack_values of every tile, or empty
+  Index packed_words_ = 0, packed_value_words_ = 0;  // words per packed tile
 };
 
 }  // namespace read_detail

@@ -504,13 +504,28 @@ struct TileOps : Base {
   template <class Pacing = NoPacing>
   static void accumulate_tile(const float* p, Index bq, const bf16* const* v, Index dv,
                               float* acc, Index acc_stride, Pacing pacing = {}) {
-    const Index blocks = (dv + kTileRows - 1) / kTileRows;
-    constexpr Index kHalves = kKeyTile / kChunk;  // slot chunks of a tile
-    static_assert(kHalves == 2, "two slot chunks a tile");
     Scratch& w = scratch();
-    w.values.resize(static_cast<std::size_t>(kHalves * blocks * kTileWords));
+    w.values.resize(static_cast<std::size_t>(packed_value_words(dv)));
     Packing::values(v, kKeyTile, dv, w.values.data());
-    const std::uint32_t* vt = w.values.data();
+    accumulate_tile_packed(p, bq, w.values.data(), dv, acc, acc_stride, pacing);
+  }
+
+  // A read of many query tiles packs each tile's values once too (read_tiles.hpp): the words of
+  // one packed tile, the packing, and accumulate_tile from it (the same bits).
+  static constexpr Index kHalves = kKeyTile / kChunk;  // slot chunks of a tile
+  static_assert(kHalves == 2, "two slot chunks a tile");
+  static bool packs_values() { return true; }
+  static Index packed_value_words(Index dv) {
+    return kHalves * ((dv + kTileRows - 1) / kTileRows) * kTileWords;
+  }
+  static void pack_values(const bf16* const* v, Index dv, std::uint32_t* out) {
+    Packing::values(v, kKeyTile, dv, out);
+  }
+  template <class Pacing = NoPacing>
+  static void accumulate_tile_packed(const float* p, Index bq, const std::uint32_t* vt, Index dv,
+                                     float* acc, Index acc_stride, Pacing pacing = {}) {
+    const Index blocks = (dv + kTileRows - 1) / kTileRows;
+    Scratch& w = scratch();
     w.rows.resize(static_cast<std::size_t>(kTileRows * kKeyTile));
     std::uint16_t* weights = w.rows.data();
     constexpr Index kWeightStride = kKeyTile * static_cast<Index>(sizeof(std::uint16_t));
@@ -632,6 +647,18 @@ struct TileOps<bf16, arch::amx> : TileOps<bf16, arch::avx512bf16> {
                               float* acc, Index acc_stride, Pacing pacing = {}) {
     if (amx::usable()) return Tiles::accumulate_tile(p, bq, v, dv, acc, acc_stride, pacing);
     Fallback::accumulate_tile(p, bq, v, dv, acc, acc_stride, pacing);
+  }
+  // Values packed once per read too, where the tiles are in use (packs_values: only then does
+  // a read call accumulate_tile_packed).
+  static bool packs_values() { return amx::usable(); }
+  static Index packed_value_words(Index dv) { return Tiles::packed_value_words(dv); }
+  static void pack_values(const bf16* const* v, Index dv, std::uint32_t* out) {
+    Tiles::pack_values(v, dv, out);
+  }
+  template <class Pacing = NoPacing>
+  static void accumulate_tile_packed(const float* p, Index bq, const std::uint32_t* packed,
+                                     Index dv, float* acc, Index acc_stride, Pacing pacing = {}) {
+    Tiles::accumulate_tile_packed(p, bq, packed, dv, acc, acc_stride, pacing);
   }
   struct Session {
     Session() : open(amx::usable()) {

@@ -77,6 +77,13 @@ template <class Ops, class = void>
 inline constexpr bool packs_keys_v = false;
 template <class Ops>
 inline constexpr bool packs_keys_v<Ops, std::void_t<decltype(&Ops::packs_keys)>> = true;
+// Kernels whose P V takes the tile's values packed (AMX tiles): such a caller packs every tile's
+// values once too (Ops::pack_values) and accumulates from the copy
+// (Ops::accumulate_tile_packed, the same bits as Ops::accumulate_tile).
+template <class Ops, class = void>
+inline constexpr bool packs_values_v = false;
+template <class Ops>
+inline constexpr bool packs_values_v<Ops, std::void_t<decltype(&Ops::packs_values)>> = true;
 template <class Ops, class = void>
 struct packed_word {
   using type = std::uint32_t;  // unused: nothing is packed
