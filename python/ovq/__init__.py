@@ -226,7 +226,7 @@ def _as_bytes(data):
 class SelfAttention(_Mixer):
     """Softmax attention over a key/value cache: causal, sliding-window or non-causal.
 
-    SelfAttention(beta=1.0, causal=True, window=0, chunk=256): window W >= 1 lets a token see
+    SelfAttention(beta=1.0, causal=True, window=0, chunk=4096): window W >= 1 lets a token see
     itself and the W - 1 before it (0: unbounded); non-causal queries see every key of the
     state and of the call.
     """
