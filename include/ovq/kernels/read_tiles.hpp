@@ -49,8 +49,8 @@ struct KeyAxis : KeyAxisGeometry {
   LocalRows<Element> local;  // only the rows some query can see
   // Set for a decode over a long memory with enough arithmetic per byte (kPrefetchMinRows):
   // such a step reads every memory row once, from L3 or DRAM, and the hardware prefetcher alone
-  // lets the stream stall while a tile is computed. Each tile asks for the next tile's memory rows, paced over
-  // its own arithmetic (TileStream).
+  // lets the stream stall while a tile is computed. Each tile asks for the next tile's memory
+  // rows, paced over its own arithmetic (TileStream).
   bool prefetch = false;
 
   const Element* key(Index slot) const {
@@ -292,49 +292,45 @@ class TileReader {
   }
 
   // Every key tile's keys (Ops::pack_keys) and values (Ops::pack_values) packed once, where the
-  // kernels pack them, on the threads the read will run on.
+  // kernels pack them.
   void pack_tiles() {
-    bool keys = false, values = false;
-    if constexpr (packs_keys_v<Ops>) keys = Ops::packs_keys();
-    if constexpr (packs_values_v<Ops>) values = Ops::packs_values();
-    if (!keys && !values) return;
-    const Index tiles = (axis_.end() + kTile - 1) / kTile;
     if constexpr (packs_keys_v<Ops>) {
-      if (keys) {
+      if (Ops::packs_keys()) {
         packed_words_ = Ops::packed_key_words(dk_);
-        packed_keys_.resize(static_cast<std::size_t>(tiles * packed_words_));
+        pack_each_tile(packed_keys_, packed_words_, [&](Index t, packed_word_t<Ops>* out) {
+          const Element* keys[kTile];
+          tile_keys<Element, kTile>(axis_, t, keys);
+          Ops::pack_keys(keys, dk_, out);
+        });
       }
     }
     if constexpr (packs_values_v<Ops>) {
-      if (values) {
+      if (Ops::packs_values()) {
         packed_value_words_ = Ops::packed_value_words(dv_);
-        packed_values_.resize(static_cast<std::size_t>(tiles * packed_value_words_));
+        pack_each_tile(packed_values_, packed_value_words_, [&](Index t, packed_word_t<Ops>* out) {
+          const Element* values[kTile];
+          tile_values<Element, kTile>(axis_, t, values);
+          Ops::pack_values(values, dv_, out);
+        });
       }
     }
-    const auto pack = [&](Index t) {
-      const Element* rows[kTile];
-      if constexpr (packs_keys_v<Ops>) {
-        if (keys) {
-          tile_keys<Element, kTile>(axis_, t, rows);
-          Ops::pack_keys(rows, dk_, packed_keys_.data() + t * packed_words_);
-        }
-      }
-      if constexpr (packs_values_v<Ops>) {
-        if (values) {
-          tile_values<Element, kTile>(axis_, t, rows);
-          Ops::pack_values(rows, dv_, packed_values_.data() + t * packed_value_words_);
-        }
-      }
-    };
+  }
+
+  // `words` words a tile in `out`, tile t's written by pack(t, its words), on the threads the
+  // read will run on.
+  template <class Pack>
+  void pack_each_tile(AlignedVector<packed_word_t<Ops>>& out, Index words, const Pack& pack) {
+    const Index tiles = (axis_.end() + kTile - 1) / kTile;
+    out.resize(static_cast<std::size_t>(tiles * words));
     const Index first = axis_.pad / kTile;
 #if defined(OVQ_HAS_OPENMP)
     if (detail::worth_parallel(work_flops())) {
 #pragma omp parallel for schedule(static)
-      for (Index t = first; t < tiles; ++t) pack(t);
+      for (Index t = first; t < tiles; ++t) pack(t, out.data() + t * words);
       return;
     }
 #endif
-    for (Index t = first; t < tiles; ++t) pack(t);
+    for (Index t = first; t < tiles; ++t) pack(t, out.data() + t * words);
   }
 
   // Stacked rows of query tile `tile`.
