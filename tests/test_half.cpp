@@ -301,6 +301,15 @@ TEMPLATE_TEST_CASE("16-bit states round-trip through state files bit for bit; th
   linear.forward(ls, in.q, in.k, in.v);
   const std::vector<unsigned char> linear_bytes = io::encode_state(linear, ls);
   CHECK(io::decode_state(linear, linear_bytes.data(), linear_bytes.size()) == ls);
+  // VQ: a 16-bit codebook beside float mean values, a partial chunk pending (t = 70).
+  VqAttentionOptions vo;
+  vo.chunk = 16;
+  const VqAttention<H> vq(vo);
+  auto vs = vq.make_state(to_half<H>(random_matrix<float>(24, dk, 48)), dv);
+  vq.forward(vs, in.q, in.k, in.v);
+  REQUIRE(vs.pending() > 0);
+  const std::vector<unsigned char> vq_bytes = io::encode_state(vq, vs);
+  CHECK(io::decode_state(vq, vq_bytes.data(), vq_bytes.size()) == vs);
 }
 
 // One architecture's 16-bit self-attention against its float kernels on the widened values:

@@ -455,9 +455,11 @@ VqState<S> get_state(Reader& r, const VqAttention<S, A>& mixer, std::uint32_t ve
     check_chunk(chunk, mixer.options().chunk, pending);
   }
   using C = compute_t<S>;
-  r.need_items(codes, dk, sizeof(S), "codebook");
-  r.need_items(codes, dk + dv, sizeof(C), "codebook and mean values");
   check_widths(dk, dv);
+  // The codebook in the element type, the mean values in the compute type (float for 16-bit
+  // elements).
+  r.need_items(codes, dk * Index(sizeof(S)) + dv * Index(sizeof(C)), 1,
+               "codebook and mean values");
   const RowMatrix<S> codebook = r.get_rows<S>(codes, dk, "codebook");
   const RowMatrix<C> values = r.get_rows<C>(codes, dv, "mean values");
   std::vector<std::int64_t> counts(static_cast<std::size_t>(codes));
