@@ -84,6 +84,16 @@ class Input {
     return f;
   }
 
+  // A 16-bit element (bf16, fp16) with the bits of the next two bytes.
+  template <class H>
+  H f16_bits() {
+    static_assert(sizeof(H) == 2, "a 16-bit element");
+    const auto u = static_cast<std::uint16_t>(byte() | byte() << 8);
+    H h;
+    std::memcpy(static_cast<void*>(&h), &u, sizeof h);
+    return h;
+  }
+
   // An integer in [lo, hi] (hi - lo < 2^32).
   std::int64_t range(std::int64_t lo, std::int64_t hi) {
     const std::uint64_t span = static_cast<std::uint64_t>(hi - lo) + 1;

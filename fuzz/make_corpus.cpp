@@ -1,7 +1,8 @@
-// Writes the seed corpora of fuzz_state_file and fuzz_mixers (the .npy seeds come from NumPy:
-// make_npy_corpus.py). Run by `scripts/fuzz corpus`:
+// Writes the seed corpora of fuzz_state_file, fuzz_mixers and fuzz_mixers_half (the .npy seeds
+// come from NumPy: make_npy_corpus.py). Run by `scripts/fuzz corpus`:
 //
-//   ovq_fuzz_make_corpus OUT_DIR      writes OUT_DIR/fuzz_state_file/*, OUT_DIR/fuzz_mixers/*
+//   ovq_fuzz_make_corpus OUT_DIR      writes OUT_DIR/fuzz_state_file/*, OUT_DIR/fuzz_mixers/*,
+//                                     OUT_DIR/fuzz_mixers_half/*
 //
 // State files: one state of each mixer kind, float and double, alone and in a multi-head layer,
 // after a few tokens (linear, VQ and OVQ states with a partial chunk pending), with options that
@@ -9,8 +10,8 @@
 // (NAME_v1: the format before linear and VQ states kept pending rows, which loaders still read).
 // Each is written as it is (NAME.state) and behind control byte 0x01 (NAME.fixed: fuzz_state_file
 // then repairs the payload size and checksum of mutated copies).
-// Mixer seeds: the first bytes fuzz_mixers reads (seed, scalar type, kind, multi-head, dk, dv),
-// default options, then a short tail of calls and values.
+// Mixer seeds: the first bytes fuzz_mixers and fuzz_mixers_half read (seed, element type, kind,
+// multi-head, dk, dv), default options, then a short tail of calls and values.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -169,14 +170,20 @@ void write_state_corpus(const fs::path& dir) {
   write_states(dir, "ovq", ovq_mixer, ovq_mixer.make_state(3, 2), 8);
 }
 
-void write_mixer_corpus(const fs::path& dir) {
+// Mixer seeds of fuzz_mixers (element byte 0: float, 1: double) or of fuzz_mixers_half (0:
+// fp16, 1: bf16, 3: bf16 on AMX tiles): the same bytes after the element's.
+struct ElementSeed {
+  unsigned char byte;
+  const char* name;
+};
+void write_mixer_corpus(const fs::path& dir, const std::vector<ElementSeed>& elements) {
   static const char* const kKind[] = {"self", "linear", "vq", "ovq"};
-  for (int scalar = 0; scalar < 2; ++scalar) {
+  for (const ElementSeed& element : elements) {
     for (int kind = 0; kind < 4; ++kind) {
       for (int multi = 0; multi < 2; ++multi) {
-        // seed (4 bytes), scalar, kind, multi-head (3: yes), dk - 1, dv - 1
-        Bytes b = {0x11, 0x22, 0x33, static_cast<unsigned char>(kind),
-                   static_cast<unsigned char>(scalar), static_cast<unsigned char>(kind),
+        // seed (4 bytes), element, kind, multi-head (3: yes), dk - 1, dv - 1
+        Bytes b = {0x11, 0x22, 0x33, static_cast<unsigned char>(kind), element.byte,
+                   static_cast<unsigned char>(kind),
                    static_cast<unsigned char>(multi ? 3 : 0), 3, 2};
         // Default options (every option list starts with its default), VQ codebook size 4.
         b.insert(b.end(), 10, 0);
@@ -186,16 +193,15 @@ void write_mixer_corpus(const fs::path& dir) {
                                        1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
                                        2, 0, 5, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
         b.insert(b.end(), std::begin(calls), std::end(calls));
-        write(dir / (std::string(kKind[kind]) + (scalar ? "_f64" : "_f32") + (multi ? "_mh" : "")),
-              b);
+        write(dir / (std::string(kKind[kind]) + "_" + element.name + (multi ? "_mh" : "")), b);
       }
     }
   }
   // Values entry by entry from the bytes: special values in a small OVQ run.
-  Bytes special = {7, 7, 7, 7, 0, 3, 0, 1, 1, 1, 2, 0, 0, 0, 0, 0, 0, 0,
+  Bytes special = {7, 7, 7, 7, elements[0].byte, 3, 0, 1, 1, 1, 2, 0, 0, 0, 0, 0, 0, 0,
                    0, 1, 0, 6, 3};
   for (int i = 0; i < 24; ++i) special.push_back(static_cast<unsigned char>(i));
-  write(dir / "ovq_f32_special_values", special);
+  write(dir / (std::string("ovq_") + elements[0].name + "_special_values"), special);
 }
 
 }  // namespace
@@ -211,7 +217,9 @@ int main(int argc, char** argv) {
     fs::create_directories(out / "fuzz_mixers");
     write_state_corpus<float>(out / "fuzz_state_file");
     write_state_corpus<double>(out / "fuzz_state_file");
-    write_mixer_corpus(out / "fuzz_mixers");
+    write_mixer_corpus(out / "fuzz_mixers", {{0, "f32"}, {1, "f64"}});
+    fs::create_directories(out / "fuzz_mixers_half");
+    write_mixer_corpus(out / "fuzz_mixers_half", {{0, "f16"}, {1, "bf16"}, {3, "bf16_amx"}});
   } catch (const std::exception& e) {
     std::fprintf(stderr, "ovq_fuzz_make_corpus: %s\n", e.what());
     return 1;
