@@ -647,6 +647,41 @@ TEMPLATE_TEST_CASE(
   }
 }
 
+// The delta rule moves a row by residuals, differences of values: with values near the largest
+// finite scalar a row can be pushed past it. Two rows at +M and -M (M = 0.9 x the largest); a
+// weak beta predicts about their average, 0, for the next key of row 0, whose value +M then
+// moves row 0 by M / 2 towards 1.35 x the largest. The row is held at the largest finite value
+// instead, and every output stays finite.
+TEMPLATE_TEST_CASE("extremes: the delta rule holds value rows within the scalar's range",
+                   "[extremes][ovq]", float, double) {
+  using S = TestType;
+  const double big = 0.9 * static_cast<double>(std::numeric_limits<S>::max());
+  const Index t = 6, dk = 2, dv = 2;
+  Mat<S> q = Mat<S>::Zero(t, dk), k(t, dk), v(t, dv);
+  for (Index i = 0; i < t; ++i) {
+    const bool first = i % 2 == 0;
+    k.row(i) << S(first ? 1 : 0), S(first ? 0 : 1);
+    v.row(i).setConstant(static_cast<S>(first ? big : -big));
+    q.row(i) << S(1), S(0);
+  }
+  ovq::OvqOptions opt;
+  opt.capacity = 2;
+  opt.chunk = 1;
+  opt.beta = 1e-6;
+  opt.growth = ovq::Growth::linear(1.0);
+  opt.value_update = ovq::ValueUpdate::delta;
+  const ovq::OvqAttention<S> m(opt);
+  auto state = m.make_state(dk, dv);
+  const Mat<S> o = m.forward(state, q, k, v);
+  CHECK(all_finite(o));
+  REQUIRE(state.dictionary().size() == 2);
+  const Mat<S> rows = ovq::as_eigen(state.dictionary().values());
+  CHECK(all_finite(rows));
+  // Row 0 was pushed past the largest value and held there.
+  CHECK(rows(0, 0) == std::numeric_limits<S>::max());
+  check_counts(state);
+}
+
 TEMPLATE_TEST_CASE("extremes: OVQ with capacity 1 keeps the mean of everything", "[extremes][ovq]",
                    float, double) {
   using S = TestType;

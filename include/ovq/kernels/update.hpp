@@ -94,11 +94,21 @@ void scatter_mean_update(RowsView<compute_t<Element>> dict, const std::int64_t* 
   }
 }
 
+// The delta rule's new value x held within the element's finite range: unlike a mean, a row
+// moved by residuals (differences of values) can pass every value it saw, and a row past the
+// largest element would read as infinity. The CUDA write holds it the same way.
+template <class Element, class Wide>
+Wide delta_limit(Wide x) {
+  const Wide limit = static_cast<Wide>(largest_finite<Element>());
+  return x < -limit ? -limit : (x > limit ? limit : x);
+}
+
 // The delta rule (ValueUpdate::delta) on the value means: a row r < predicted_rows (it existed
 // before the chunk) moves by its members' residuals against their predictions yhat (L x d),
 //   adaptive: D[r] += sum_{a_i = r} (x_i - yhat_i) / (c_r + cnt_r)
-//   constant: D[r] += eta * mean_{a_i = r} (x_i - yhat_i);
-// a row opened in the chunk takes scatter_mean_update's running mean of its members.
+//   constant: D[r] += eta * mean_{a_i = r} (x_i - yhat_i),
+// held within the element's finite range (delta_limit); a row opened in the chunk takes
+// scatter_mean_update's running mean of its members.
 template <class Element>
 void scatter_delta_update(RowsView<compute_t<Element>> dict, const std::int64_t* counts_before,
                           const AssignmentGroups& groups, ConstRowsView<Element> x,
@@ -132,7 +142,8 @@ void scatter_delta_update(RowsView<compute_t<Element>> dict, const std::int64_t*
                             : static_cast<Wide>(rate.eta) / static_cast<Wide>(last - first);
     Scalar* target = dict.row(r);
     for (Index c = 0; c < d; ++c)
-      target[c] = static_cast<Scalar>(target[c] + sum[static_cast<std::size_t>(c)] * factor);
+      target[c] = static_cast<Scalar>(delta_limit<Element>(
+          target[c] + sum[static_cast<std::size_t>(c)] * factor));
   }
   opened.begin.push_back(static_cast<Index>(opened.order.size()));
   scatter_mean_update<Element>(dict, counts_before, opened, x, rate);

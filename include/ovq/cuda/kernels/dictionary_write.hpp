@@ -35,6 +35,7 @@
 // float running means (16-bit rows widened, as on the CPU), and the publish step rounds the
 // changed ones into the 16-bit rows the reads stream (state/dictionary_rows.hpp), OVQ's keys and
 // values or VQ's values.
+#include <cfloat>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
@@ -99,6 +100,19 @@ struct DictionaryWriteParams {
   bool complete = false;
   Index states = 1;
 };
+
+// The delta rule's new value held within the element's finite range, as the CPU write holds it
+// (kernels/update.hpp, delta_limit).
+template <class Scalar, class Input>
+OVQ_HOST_DEVICE double delta_limit_of(double x) {
+  double limit = DBL_MAX;
+  if constexpr (is_half_bits_v<Input>) {
+    limit = static_cast<double>(largest_finite_of<Input>());
+  } else if constexpr (std::is_same_v<Scalar, float>) {
+    limit = static_cast<double>(FLT_MAX);
+  }
+  return x < -limit ? -limit : (x > limit ? limit : x);
+}
 
 template <class Scalar, class Input = Scalar>
 struct DictionaryWriteProgram {
@@ -359,7 +373,7 @@ struct DictionaryWriteProgram {
             const double factor = p.adaptive
                                       ? 1.0 / static_cast<double>(dict.counts[r] + (q_end - q))
                                       : p.eta / cnt;
-            *target = static_cast<Scalar>(old + ovq::detail::mul_rn(sum, factor));
+            *target = static_cast<Scalar>(delta_limit_of<Scalar, Input>(old + ovq::detail::mul_rn(sum, factor)));
           } else if (p.adaptive) {
             const double inv_total = 1.0 / static_cast<double>(dict.counts[r] + (q_end - q));
             *target = static_cast<Scalar>(
