@@ -266,6 +266,14 @@ bool skipped(const std::string& cls) {
   return cls != "other" && list.find("," + cls + ",") != std::string::npos;
 }
 
+// Why a state reached by successful calls does not load back: "state" where the loader found a
+// non-finite number in it (the sums of an overflowed linear state), "other" for any other
+// refusal (a state the loader should take: always worth a look).
+std::string load_failure_class(const Error& e) {
+  return std::string(e.what()).find("expected a finite value") != std::string::npos ? "state"
+                                                                                      : "other";
+}
+
 template <class S, class Options>
 void check_outputs(const RowMatrix<S>& o, const char* op, const Magnitudes& seen,
                    const Options& options, Index dk, const Trace& trace) {
@@ -529,9 +537,10 @@ class SingleRun {
       loaded = io::decode_state(mixer_, bytes.data(), bytes.size());
     } catch (const Error& e) {
       // A finite stream must not leave non-finite numbers in the state (class "state").
-      if (skipped("state")) return;
-      OVQ_FUZZ_CHECK(false, "a state reached by successful calls does not load back (class: "
-                     "state): ", e.what(), trace_.str());
+      const std::string cls = load_failure_class(e);
+      if (skipped(cls)) return;
+      OVQ_FUZZ_CHECK(false, "a state reached by successful calls does not load back (class: ",
+                     cls, "): ", e.what(), trace_.str());
     }
     OVQ_FUZZ_CHECK(same_state(mixer_, loaded, state), "the loaded state differs from the saved one",
                    trace_.str());
@@ -591,9 +600,10 @@ class MultiRun {
     try {
       io::decode_state(loaded, bytes.data(), bytes.size());
     } catch (const Error& e) {
-      if (skipped("state")) return;
-      OVQ_FUZZ_CHECK(false, "a layer reached by successful calls does not load back (class: "
-                     "state): ", e.what(), trace_.str());
+      const std::string cls = load_failure_class(e);
+      if (skipped(cls)) return;
+      OVQ_FUZZ_CHECK(false, "a layer reached by successful calls does not load back (class: ",
+                     cls, "): ", e.what(), trace_.str());
     }
     OVQ_FUZZ_CHECK(loaded.states() == layer.states(), "the loaded layer differs", trace_.str());
     OVQ_FUZZ_CHECK(io::encode_state(loaded) == bytes, "the loaded layer encodes differently",

@@ -1,12 +1,13 @@
 // Fuzz target: the state-file loader (ovq::io::decode_state, for one state of each mixer kind in
-// float and double, and for a MultiHead layer).
+// float, double, fp16 and bf16, and for a MultiHead layer).
 //
 // Input: either a state file as written by encode_state (it starts with "OVQSTATE") and is
 // decoded as it is, or a control byte followed by such a file. Control bits:
 //   bit 0      rewrite the payload size and the CRC-32 to match the bytes (so that mutations
 //              reach the payload checks instead of stopping at the checksum)
-//   bit 1      pick the decoder from bits 2..5 (kind, container, scalar) instead of the header,
-//              to reach the kind / container / scalar mismatch checks
+//   bit 1      pick the decoder from bits 2..6 (kind, container, element) instead of the header,
+//              to reach the kind / container / element mismatch checks: bits 2..3 the kind, bit 4
+//              a layer, bit 5 double (bit 6 clear) or bf16 (bit 6 set: 16 bits, else fp16)
 // The loading mixer takes the options stored in the file (when they are valid options with a
 // capacity and chunk of at most 4096), so that the payload past the options is reached; the
 // layer of a multi-head file takes its batch, heads, dk and dv likewise (up to 16 states, 64
@@ -427,11 +428,18 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (control & 2u) {
     kind = 1 + (control >> 2) % 4;
     container = (control >> 4) & 1u;
-    scalar = (control & 32u) ? 8 : 4;
+    using io::state_detail::element_code;
+    const bool bit5 = (control & 32u) != 0;
+    scalar = (control & 64u) != 0 ? (bit5 ? element_code<bf16>() : element_code<fp16>())
+                                  : (bit5 ? 8u : 4u);
   }
   kind = 1 + (kind + 3) % 4;  // 1..4 whatever the header says
   if (scalar == 8) {
     run_scalar<double>(kind, container != 0, file);
+  } else if (scalar == io::state_detail::element_code<fp16>()) {
+    run_scalar<fp16>(kind, container != 0, file);
+  } else if (scalar == io::state_detail::element_code<bf16>()) {
+    run_scalar<bf16>(kind, container != 0, file);
   } else {
     run_scalar<float>(kind, container != 0, file);
   }

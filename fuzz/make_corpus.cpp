@@ -4,10 +4,11 @@
 //   ovq_fuzz_make_corpus OUT_DIR      writes OUT_DIR/fuzz_state_file/*, OUT_DIR/fuzz_mixers/*,
 //                                     OUT_DIR/fuzz_mixers_half/*
 //
-// State files: one state of each mixer kind, float and double, alone and in a multi-head layer,
-// after a few tokens (linear, VQ and OVQ states with a partial chunk pending), with options that
-// differ from the defaults; and one state of each kind after whole chunks as a version-1 file
-// (NAME_v1: the format before linear and VQ states kept pending rows, which loaders still read).
+// State files: one state of each mixer kind, float, double, fp16 and bf16, alone and in a
+// multi-head layer, after a few tokens (linear, VQ and OVQ states with a partial chunk pending),
+// with options that differ from the defaults; and, in float and double, one state of each kind
+// after whole chunks as a version-1 file (NAME_v1: the format before linear and VQ states kept
+// pending rows, which loaders still read).
 // Each is written as it is (NAME.state) and behind control byte 0x01 (NAME.fixed: fuzz_state_file
 // then repairs the payload size and checksum of mutated copies).
 // Mixer seeds: the first bytes fuzz_mixers and fuzz_mixers_half read (seed, element type, kind,
@@ -19,6 +20,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "ovq/io/state_file.hpp"
@@ -112,7 +114,10 @@ void write_states(const fs::path& dir, const std::string& name, const Mixer& mix
   const Index dk = state.key_dim(), dv = state.value_dim();
   mixer.forward(state, values<S>(tokens, dk, 1), values<S>(tokens, dk, 2),
                 values<S>(tokens, dv, 3));
-  const std::string suffix = sizeof(S) == 4 ? "_f32" : "_f64";
+  const std::string suffix = std::is_same_v<S, float>    ? "_f32"
+                             : std::is_same_v<S, double> ? "_f64"
+                             : std::is_same_v<S, fp16>   ? "_f16"
+                                                         : "_bf16";
   const Bytes one = io::encode_state(mixer, state);
 
   MultiHead<Mixer> layer(mixer, 1, 2, std::vector<typename Mixer::State>(1, state));
@@ -123,7 +128,8 @@ void write_states(const fs::path& dir, const std::string& name, const Mixer& mix
   write_seed(dir, name + suffix, one);
   write_seed(dir, name + suffix + "_mh", multi);
 
-  // Whole chunks only (nothing pending), as a version-1 file.
+  // Whole chunks only (nothing pending), as a version-1 file (which had no 16-bit elements).
+  if constexpr (sizeof(S) < 4) return;
   typename Mixer::State whole = layer.state(0, 0);
   whole.reset();
   const Index chunks = 2 * mixer.options().chunk;
@@ -217,6 +223,8 @@ int main(int argc, char** argv) {
     fs::create_directories(out / "fuzz_mixers");
     write_state_corpus<float>(out / "fuzz_state_file");
     write_state_corpus<double>(out / "fuzz_state_file");
+    write_state_corpus<fp16>(out / "fuzz_state_file");
+    write_state_corpus<bf16>(out / "fuzz_state_file");
     write_mixer_corpus(out / "fuzz_mixers", {{0, "f32"}, {1, "f64"}});
     fs::create_directories(out / "fuzz_mixers_half");
     write_mixer_corpus(out / "fuzz_mixers_half", {{0, "f16"}, {1, "bf16"}, {3, "bf16_amx"}});
