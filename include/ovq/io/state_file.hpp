@@ -455,9 +455,10 @@ VqState<S> get_state(Reader& r, const VqAttention<S, A>& mixer, std::uint32_t ve
     check_chunk(chunk, mixer.options().chunk, pending);
   }
   using C = compute_t<S>;
+  r.need_items(codes, dk, sizeof(S), "codebook");
   check_widths(dk, dv);
   // The codebook in the element type, the mean values in the compute type (float for 16-bit
-  // elements).
+  // elements); dk and dv are bounded now, so the bytes a code cannot wrap.
   r.need_items(codes, dk * Index(sizeof(S)) + dv * Index(sizeof(C)), 1,
                "codebook and mean values");
   const RowMatrix<S> codebook = r.get_rows<S>(codes, dk, "codebook");
