@@ -791,6 +791,60 @@ TEST_CASE("cuda mixers (emulated): bad shapes throw the CPU's ArgumentError befo
   CHECK(state.to_host(nullptr)[0].tokens() == 20);
 }
 
+// Views of a (B, T, H, d) tensor (a projection's output, not transposed): the heads of a token
+// side by side, so the head stride is smaller than the row stride.
+TEST_CASE("cuda mixers (emulated): views with the heads of a token side by side give the "
+          "contiguous views' bits; an output whose entries overlap is refused",
+          "[cuda][errors]") {
+  using S = float;
+  using ovq::test::MessageHas;
+  const Index heads = 2, group = 2, hq = heads * group, t = 30, dk = 8, dv = 12;
+  const Stream3<S> in = make_stream<S>(heads, group, t, dk, dv, 131);
+  const cuda::BasicSelfAttention<S, Emulator> mixer(SelfAttentionOptions{});
+  const auto contiguous = run_device(mixer, mixer.make_state(heads, dk, dv), in, {});
+  // (h t) x d, head after head <-> t x (h d), token after token.
+  const auto interleave = [t](const RowMatrix<S>& m, Index h) {
+    RowMatrix<S> out(t, h * m.cols());
+    for (Index i = 0; i < h; ++i)
+      for (Index r = 0; r < t; ++r) out.block(r, i * m.cols(), 1, m.cols()) = m.row(i * t + r);
+    return out;
+  };
+  const auto deinterleave = [t](const RowMatrix<S>& m, Index h) {
+    const Index d = m.cols() / h;
+    RowMatrix<S> out(h * t, d);
+    for (Index i = 0; i < h; ++i)
+      for (Index r = 0; r < t; ++r) out.row(i * t + r) = m.block(r, i * d, 1, d);
+    return out;
+  };
+  // The emulation's device memory is host memory: views of the host matrices.
+  const auto token_major = [t](RowMatrix<S>& m, Index h) {
+    const Index d = m.cols() / h;
+    return cuda::HeadsView<S>{m.data(), h, t, d, d, h * d};
+  };
+  RowMatrix<S> q = interleave(in.q, hq), k = interleave(in.k, heads), v = interleave(in.v, heads);
+  RowMatrix<S> o(t, hq * dv);
+  o.setConstant(std::numeric_limits<S>::quiet_NaN());
+  auto state = mixer.make_state(heads, dk, dv);
+  mixer.forward(state, token_major(q, hq), token_major(k, heads), token_major(v, heads),
+                token_major(o, hq));
+  CHECK(same_bits(deinterleave(o, hq), contiguous.o));
+
+  // Heads one column closer than a row's width, or rows closer than the heads' span.
+  auto heads_overlap = token_major(o, hq);
+  heads_overlap.head_stride = dv - 1;
+  CHECK_THROWS_MATCHES(mixer.forward(state, token_major(q, hq), token_major(k, heads),
+                                     token_major(v, heads), heads_overlap),
+                       ArgumentError,
+                       MessageHas({"O has head stride 11", "expected >= its 12 columns"}));
+  auto rows_overlap = token_major(o, hq);
+  rows_overlap.row_stride = (hq - 1) * dv;
+  CHECK_THROWS_MATCHES(mixer.forward(state, token_major(q, hq), token_major(k, heads),
+                                     token_major(v, heads), rows_overlap),
+                       ArgumentError,
+                       MessageHas({"O has row stride 36", "expected >= 48", "its 4 heads"}));
+  CHECK(state.to_host(nullptr)[0].tokens() == t);
+}
+
 // A small call (a decode step's few rows) checks, copies and counts in one launch
 // (CheckCopyProgram), a larger one in three: the same outputs and states, and a bad value
 // anywhere in a small call faults and changes nothing.

@@ -2,6 +2,8 @@
 // Host-side argument checks of the device mixers: shapes, widths and strides, all before
 // anything is launched, with the CPU path's ovq::ArgumentError messages. (Values, which live on
 // the device, are checked there: kernels/rows.hpp.)
+#include <utility>
+
 #include "ovq/core/checks.hpp"
 #include "ovq/core/error.hpp"
 #include "ovq/cuda/kernels/launch.hpp"
@@ -12,8 +14,10 @@ namespace ovq::cuda::detail {
 using ovq::detail::concat;
 using ovq::detail::require;
 
-// An input may repeat rows (a stride of 0 broadcasts a head); an output's rows must not overlap,
-// or two threads would write one entry.
+// An input may repeat rows (a stride of 0 broadcasts a head); an output's entries must not
+// overlap, or two threads would write one entry. Its two strides nest: the smaller one (rows of a
+// head, or the heads of a token side by side as in a (B, T, H, d) tensor) at least a row's
+// columns, the larger at least the span of the smaller axis. (An axis of one entry has no stride.)
 template <class Scalar>
 void check_view(const char* where, const char* name, const ConstHeadsView<Scalar>& x,
                 bool output = false) {
@@ -24,11 +28,19 @@ void check_view(const char* where, const char* name, const ConstHeadsView<Scalar
   require(x.row_stride >= 0 && x.head_stride >= 0, where, name, " has strides (", x.head_stride,
           ", ", x.row_stride, "), expected >= 0");
   if (!output) return;
-  require(x.rows == 1 || x.row_stride >= x.cols, where, name, " has row stride ", x.row_stride,
-          ", expected >= its ", x.cols, " columns (an output's rows must not overlap)");
-  require(x.heads == 1 || x.head_stride >= (x.rows - 1) * x.row_stride + x.cols, where, name,
-          " has head stride ", x.head_stride, ", expected >= ", (x.rows - 1) * x.row_stride + x.cols,
-          " (an output's heads must not overlap)");
+  struct Axis {
+    const char* name;
+    Index count, stride;
+  };
+  Axis inner{"row", x.rows, x.row_stride}, outer{"head", x.heads, x.head_stride};
+  if (inner.count == 1 || (outer.count > 1 && outer.stride < inner.stride)) std::swap(inner, outer);
+  require(inner.count == 1 || inner.stride >= x.cols, where, name, " has ", inner.name,
+          " stride ", inner.stride, ", expected >= its ", x.cols,
+          " columns (an output's entries must not overlap)");
+  const Index span = (inner.count - 1) * inner.stride + x.cols;
+  require(outer.count == 1 || outer.stride >= span, where, name, " has ", outer.name, " stride ",
+          outer.stride, ", expected >= ", span, ", the span of its ", inner.count, " ",
+          inner.name, "s (an output's entries must not overlap)");
 }
 
 // The inputs of a read and write call: q (heads * group, T, dk), k (heads, T, dk),
