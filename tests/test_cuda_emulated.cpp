@@ -845,6 +845,57 @@ TEST_CASE("cuda mixers (emulated): views with the heads of a token side by side 
   CHECK(state.to_host(nullptr)[0].tokens() == t);
 }
 
+// A bad value faults the state before the call's reads, which then read nothing: the counters
+// leave out the rows the call would have added, so an extent taken from them would start before
+// the chunk (the AddressSanitizer build sees any such read). Every mixer, over calls longer than
+// the rows its state holds, then the state goes on as if the call had not been made.
+TEMPLATE_TEST_CASE("cuda mixers (emulated): a call with a bad value reads nothing and changes "
+                   "nothing, whatever its length",
+                   "[cuda][errors]", float, bf16) {
+  using S = TestType;
+  const Index heads = 2, group = 2, dk = 16, dv = 8, t = 40;
+  const Stream3<S> in = make_stream<S>(heads, group, t, dk, dv, 141, true);
+  RowMatrix<S> bad_v = in.v;
+  bad_v(t + 10, 1) = std::numeric_limits<S>::quiet_NaN();  // head 1, token 10
+  const auto check = [&](const auto& mixer, auto state) {
+    const Rows<S> q(in.q, heads * group, nullptr), k(in.k, heads, nullptr),
+        v(in.v, heads, nullptr), v_bad(bad_v, heads, nullptr), o(heads * group, t, dv, nullptr);
+    mixer.forward(state, q.view().middle_rows(0, 5), k.view().middle_rows(0, 5),
+                  v.view().middle_rows(0, 5), o.view().middle_rows(0, 5));
+    const auto before = state.to_host(nullptr);
+    for (const Index n : {Index(1), Index(20), Index(35)}) {
+      const auto call = [&](const auto& vv) {
+        if (n == 1) {
+          mixer.step(state, q.view().middle_rows(10, 1), k.view().middle_rows(10, 1),
+                     vv.view().middle_rows(10, 1), o.view().middle_rows(10, 1));
+        } else {
+          mixer.forward(state, q.view().middle_rows(5, n), k.view().middle_rows(5, n),
+                        vv.view().middle_rows(5, n), o.view().middle_rows(5, n));
+        }
+      };
+      call(v_bad);
+      CHECK_THROWS_AS(state.synchronize(nullptr), ArgumentError);
+      CHECK(state.to_host(nullptr) == before);
+    }
+  };
+  LinearAttentionOptions linear;
+  linear.chunk = 16;
+  linear.decay = 0.9;
+  const cuda::BasicLinearAttention<S, Emulator> linear_mixer(linear);
+  check(linear_mixer, linear_mixer.make_state(heads, dk, dv));
+  OvqOptions ovq;
+  ovq.chunk = 16;
+  ovq.capacity = 24;
+  const cuda::BasicOvqAttention<S, Emulator> ovq_mixer(ovq);
+  check(ovq_mixer, ovq_mixer.make_state(heads, dk, dv));
+  VqAttentionOptions vq;
+  vq.chunk = 16;
+  const cuda::BasicVqAttention<S, Emulator> vq_mixer(vq);
+  check(vq_mixer, vq_mixer.make_state(heads, random_rows<S>(12, dk, 143), dv));
+  const cuda::BasicSelfAttention<S, Emulator> self_mixer(SelfAttentionOptions{});
+  check(self_mixer, self_mixer.make_state(heads, dk, dv));
+}
+
 // A small call (a decode step's few rows) checks, copies and counts in one launch
 // (CheckCopyProgram), a larger one in three: the same outputs and states, and a bad value
 // anywhere in a small call faults and changes nothing.

@@ -89,7 +89,7 @@ struct DecodeReadProgram {
 
   template <class Block>
   OVQ_HOST_DEVICE static void run(Block& block, const Params& p, BlockIndex index) {
-    if (p.only_if_pending >= 0 && p.counters->pending != p.only_if_pending) return;
+    if (p.skipped()) return;
     Scalar* sh = static_cast<Scalar*>(block.shared());
     const Index s = index.y;
     const Index tile = index.x;
@@ -352,7 +352,7 @@ struct TensorDecodeProgram {
 
   template <class Block>
   OVQ_HOST_DEVICE static void run(Block& block, const Params& p, BlockIndex index) {
-    if (p.only_if_pending >= 0 && p.counters->pending != p.only_if_pending) return;
+    if (p.skipped()) return;
     Bits* halves = static_cast<Bits*>(block.shared());
     float* floats = reinterpret_cast<float*>(halves + kHalves);
     const Index s = index.y;

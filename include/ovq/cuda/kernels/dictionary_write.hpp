@@ -373,7 +373,8 @@ struct DictionaryWriteProgram {
             const double factor = p.adaptive
                                       ? 1.0 / static_cast<double>(dict.counts[r] + (q_end - q))
                                       : p.eta / cnt;
-            *target = static_cast<Scalar>(delta_limit_of<Scalar, Input>(old + ovq::detail::mul_rn(sum, factor)));
+            *target = static_cast<Scalar>(
+                delta_limit_of<Scalar, Input>(old + ovq::detail::mul_rn(sum, factor)));
           } else if (p.adaptive) {
             const double inv_total = 1.0 / static_cast<double>(dict.counts[r] + (q_end - q));
             *target = static_cast<Scalar>(

@@ -86,6 +86,9 @@ struct LinearReadProgram {
 
   template <class Block>
   OVQ_HOST_DEVICE static void run(Block& block, const Params& p, BlockIndex index) {
+    // A state with a fault did not take this call's rows into its chunk: nothing to read (the
+    // call's outputs are undefined), and the chunk-local rows below would start before 0.
+    if (p.counters->fault != 0) return;
     Scalar* sh = static_cast<Scalar*>(block.shared());
     const Index h = index.y, s = h / p.group;
     const Index r0 = static_cast<Index>(index.x) * kRows;

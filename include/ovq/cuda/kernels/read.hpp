@@ -158,6 +158,15 @@ struct ReadParams {
     return head_betas.values[head % static_cast<int>(head_betas.count)];
   }
 
+  // Whether the launch has nothing to read: the state has a fault (a call since the host last
+  // looked had a bad input, so the counters leave out the rows this call would have added and an
+  // extent taken from them would index before its rows; such calls' outputs are undefined), or a
+  // captured step's write-time read finds its chunk incomplete.
+  OVQ_HOST_DEVICE bool skipped() const {
+    if (counters == nullptr) return false;  // a fixed extent
+    return counters->fault != 0 || (only_if_pending >= 0 && counters->pending != only_if_pending);
+  }
+
   OVQ_HOST_DEVICE ReadExtent extent() const {
     ReadExtent e;
     if (source == ReadSource::fixed) {
@@ -492,7 +501,7 @@ struct ReadProgram {
   // (fold_tile says where each copy is issued and waited for).
   template <class Block>
   OVQ_HOST_DEVICE static void run(Block& block, const Params& p, BlockIndex index) {
-    if (p.only_if_pending >= 0 && p.counters->pending != p.only_if_pending) return;
+    if (p.skipped()) return;
     Scalar* sh = static_cast<Scalar*>(block.shared());
     const Index s = index.y;
     const Index tile = index.x;
@@ -746,7 +755,7 @@ struct MergeProgram {
 
   template <class Block>
   OVQ_HOST_DEVICE static void run(Block& block, const Params& p, BlockIndex index) {
-    if (p.only_if_pending >= 0 && p.counters->pending != p.only_if_pending) return;
+    if (p.skipped()) return;
     block.each([&](int tid) { merge_entries(p, index.x, index.y, tid); });
   }
 

@@ -186,7 +186,7 @@ struct TensorReadProgram {
 
   template <class Block>
   OVQ_HOST_DEVICE static void run(Block& block, const Params& p, BlockIndex index) {
-    if (p.only_if_pending >= 0 && p.counters->pending != p.only_if_pending) return;
+    if (p.skipped()) return;
     Shared sh;
     sh.halves = static_cast<Bits*>(block.shared());
     sh.floats = reinterpret_cast<float*>(sh.halves + Traits::kHalves);
