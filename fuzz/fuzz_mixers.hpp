@@ -33,10 +33,10 @@
 #include <cstring>
 #include <limits>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <vector>
 
+#include "fuzz_options.hpp"
 #include "fuzz_support.hpp"
 #include "ovq/io/state_file.hpp"
 #include "ovq/ovq.hpp"
@@ -45,37 +45,12 @@ namespace {
 
 using namespace ovq;
 using fuzz::Input;
+using fuzz::Trace;
+using fuzz::describe;
 using fuzz::tokens_to_boundary;
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 constexpr double kInf = std::numeric_limits<double>::infinity();
-
-bool trace_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("OVQ_FUZZ_TRACE");
-    return v != nullptr && v[0] == '1';
-  }();
-  return on;
-}
-
-// What the input has done so far, for the report of a finding.
-class Trace {
- public:
-  template <class... Parts>
-  void add(const Parts&... parts) {
-    (text_ << ... << parts);
-    text_ << '\n';
-    if (trace_enabled()) {
-      std::ostringstream line;
-      (line << ... << parts);
-      std::fprintf(stderr, "  %s\n", line.str().c_str());
-    }
-  }
-  std::string str() const { return "\n-- what the input did:\n" + text_.str(); }
-
- private:
-  std::ostringstream text_;
-};
 
 // ---- values ---------------------------------------------------------------------------------
 
@@ -288,104 +263,21 @@ void check_outputs(const RowMatrix<S>& o, const char* op, const Magnitudes& seen
 
 // ---- options ------------------------------------------------------------------------------
 
-double pick_beta(Input& in) {
-  static const double kBeta[] = {1.0,   0.5,    0.125,  2.0,      8.0,  1e-3,   1e3,
-                                 1e-30, 1e30,   1e-300, 4.9e-324, 1e300, 3.4e38, 3.5e38,
-                                 1e10,  0.0,    -1.0,   kNaN,     kInf};
-  return in.pick(kBeta);
-}
-
-Index pick_chunk(Input& in) {
-  static const Index kChunk[] = {64, 1, 2, 3, 4, 5, 7, 8, 16, 17, 32, 33, 63, 65, 100, 1000, 0, -1};
-  const Index c = in.pick(kChunk);
-  return c == 64 && in.flag() ? in.range(1, 70) : c;
-}
-
-SelfAttentionOptions self_options(Input& in) {
-  static const Index kWindow[] = {0, 1, 2, 3, 4, 7, 8, 16, 63, 64, 65, -1};
-  SelfAttentionOptions o;
-  o.beta = pick_beta(in);
-  o.causal = !in.rarely(4);
-  o.window = in.pick(kWindow);
-  if (!o.causal && !in.rarely(8)) o.window = 0;
-  o.chunk = pick_chunk(in);
-  return o;
-}
-
-LinearAttentionOptions linear_options(Input& in) {
-  static const double kDecay[] = {1.0,    0.5,      0.9,  0.99, 1e-3, 1e-30,
-                                  1e-300, 4.9e-324, 0.0,  1.5,  kNaN};
-  static const double kEps[] = {1e-6, 0.0, 1.0, 1e-3, 1e-30, 1e-300, 1e30, -1.0};
-  static const kernels::FeatureMap kMaps[] = {kernels::FeatureMap::identity,
-                                              kernels::FeatureMap::elu1,
-                                              kernels::FeatureMap::relu};
-  LinearAttentionOptions o;
-  o.beta = pick_beta(in);
-  o.feature_map = in.pick(kMaps);
-  o.normalize = in.flag();
-  o.decay = in.pick(kDecay);
-  o.eps = in.pick(kEps);
-  o.chunk = pick_chunk(in);
-  return o;
-}
-
-VqAttentionOptions vq_options(Input& in) {
-  VqAttentionOptions o;
-  o.beta = pick_beta(in);
-  o.chunk = pick_chunk(in);
-  return o;
-}
-
-OvqOptions ovq_options(Input& in) {
-  static const Index kCapacity[] = {16, 1, 2, 3, 4, 5, 8, 64, 1000, 0};
-  static const double kAlpha[] = {0.0, 1.0, 0.5, 2.0, 1e-300, 4.9e-324, 1e300, 1e9, -1.0, kNaN};
-  static const double kRate[] = {1.0, 0.5, 0.25, 2.0, 1e-300, 1e300, 1e-9, 0.0, kInf};
-  static const double kEta[] = {1.0, 0.5, 0.1, 0.01, 1e-300, 4.9e-324, 0.0, 1.5};
-  OvqOptions o;
-  o.capacity = in.pick(kCapacity);
-  o.chunk = pick_chunk(in);
-  o.beta = pick_beta(in);
-  o.growth = in.flag() ? Growth::linear(in.pick(kRate))
-             : in.flag() ? Growth::saturating()
-                         : Growth::dirichlet(in.pick(kAlpha));
-  o.seeding = in.flag() ? Seeding::random(in.u64())
-              : in.flag() ? Seeding::lowest_similarity()
-                          : Seeding::spread();
-  o.rate = in.flag() ? UpdateRate::constant(in.pick(kEta)) : UpdateRate::adaptive();
-  o.renormalize = in.flag();
-  o.value_update = in.flag() ? ValueUpdate::delta : ValueUpdate::mean;
-  o.renormalize_values = o.value_update == ValueUpdate::mean && in.flag();
-  o.count_bias = !in.flag();
-  return o;
-}
-
-std::string describe(const SelfAttentionOptions& o) {
-  return detail::concat("beta=", o.beta, " causal=", o.causal, " window=", o.window,
-                        " chunk=", o.chunk);
-}
-std::string describe(const LinearAttentionOptions& o) {
-  return detail::concat("beta=", o.beta, " feature_map=", static_cast<int>(o.feature_map),
-                        " normalize=", o.normalize, " decay=", o.decay, " eps=", o.eps,
-                        " chunk=", o.chunk);
-}
-std::string describe(const VqAttentionOptions& o) {
-  return detail::concat("beta=", o.beta, " chunk=", o.chunk);
-}
-std::string describe(const OvqOptions& o) {
-  return detail::concat(
-      "capacity=", o.capacity, " chunk=", o.chunk, " beta=", o.beta, " growth=",
-      o.growth.kind == Growth::Kind::dirichlet ? "dirichlet"
-      : o.growth.kind == Growth::Kind::linear  ? "linear"
-                                               : "saturating",
-      " alpha=", o.growth.alpha, " rate=", o.growth.rate, " seeding=",
-      o.seeding.kind == Seeding::Kind::spread   ? "spread"
-      : o.seeding.kind == Seeding::Kind::random ? "random"
-                                                : "lowest_similarity",
-      " seed=", o.seeding.seed,
-      " update=", o.rate.kind == UpdateRate::Kind::adaptive ? "adaptive" : "constant",
-      " eta=", o.rate.eta, " renormalize=", o.renormalize,
-      " renormalize_values=", o.renormalize_values, " count_bias=", o.count_bias,
-      " value_update=", o.value_update == ValueUpdate::delta ? "delta" : "mean");
+// Edge values and invalid ones, which the mixers must refuse with an ArgumentError.
+const fuzz::OptionTables& option_tables() {
+  static const fuzz::OptionTables tables{
+      {1.0, 0.5, 0.125, 2.0, 8.0, 1e-3, 1e3, 1e-30, 1e30, 1e-300, 4.9e-324, 1e300, 3.4e38, 3.5e38,
+       1e10, 0.0, -1.0, kNaN, kInf},
+      {64, 1, 2, 3, 4, 5, 7, 8, 16, 17, 32, 33, 63, 65, 100, 1000, 0, -1},
+      {0, 1, 2, 3, 4, 7, 8, 16, 63, 64, 65, -1},
+      {1.0, 0.5, 0.9, 0.99, 1e-3, 1e-30, 1e-300, 4.9e-324, 0.0, 1.5, kNaN},
+      {1e-6, 0.0, 1.0, 1e-3, 1e-30, 1e-300, 1e30, -1.0},
+      {kernels::FeatureMap::identity, kernels::FeatureMap::elu1, kernels::FeatureMap::relu},
+      {16, 1, 2, 3, 4, 5, 8, 64, 1000, 0},
+      {0.0, 1.0, 0.5, 2.0, 1e-300, 4.9e-324, 1e300, 1e9, -1.0, kNaN},
+      {1.0, 0.5, 0.25, 2.0, 1e-300, 1e300, 1e-9, 0.0, kInf},
+      {1.0, 0.5, 0.1, 0.01, 1e-300, 4.9e-324, 0.0, 1.5}};
+  return tables;
 }
 
 Index pick_tokens(Input& in, Index chunk, Index to_boundary) {
@@ -747,12 +639,19 @@ void run_scalar(Input& in, Trace& trace) {
   trace.add(kKind[kind], " ", element_name<S>(), " (", Arch::kName, ") dk=", dk, " dv=", dv,
             multi ? " multi-head" : "");
   switch (kind) {
-    case 0: run_kind<SelfAttention<S, Arch>>(self_options(in), dk, dv, multi, in, trace); break;
-    case 1:
-      run_kind<LinearAttention<S, Arch>>(linear_options(in), dk, dv, multi, in, trace);
+    case 0:
+      run_kind<SelfAttention<S, Arch>>(fuzz::self_options(in, option_tables()), dk, dv, multi, in,
+                                       trace);
       break;
-    case 2: run_vq<S, Arch>(vq_options(in), dk, dv, multi, in, trace); break;
-    default: run_kind<OvqAttention<S, Arch>>(ovq_options(in), dk, dv, multi, in, trace); break;
+    case 1:
+      run_kind<LinearAttention<S, Arch>>(fuzz::linear_options(in, option_tables()), dk, dv,
+                                         multi, in, trace);
+      break;
+    case 2: run_vq<S, Arch>(fuzz::vq_options(in, option_tables()), dk, dv, multi, in, trace); break;
+    default:
+      run_kind<OvqAttention<S, Arch>>(fuzz::ovq_options(in, option_tables()), dk, dv, multi, in,
+                                      trace);
+      break;
   }
 }
 

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <sstream>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -50,6 +51,34 @@ Index tokens_to_boundary(const State& state, Index chunk, Index otherwise) {
                         ::ovq::detail::concat("(" #cond ") ", __VA_ARGS__));        \
     }                                                                               \
   } while (0)
+
+// Whether OVQ_FUZZ_TRACE=1 asks for what each input does as it runs.
+inline bool trace_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("OVQ_FUZZ_TRACE");
+    return v != nullptr && v[0] == '1';
+  }();
+  return on;
+}
+
+// What the input has done so far, for the report of a finding.
+class Trace {
+ public:
+  template <class... Parts>
+  void add(const Parts&... parts) {
+    (text_ << ... << parts);
+    text_ << '\n';
+    if (trace_enabled()) {
+      std::ostringstream line;
+      (line << ... << parts);
+      std::fprintf(stderr, "  %s\n", line.str().c_str());
+    }
+  }
+  std::string str() const { return "\n-- what the input did:\n" + text_.str(); }
+
+ private:
+  std::ostringstream text_;
+};
 
 // Decisions from fuzz bytes. Once the bytes run out every read returns 0, so option lists put
 // their ordinary value first: a short input means a plain run. Bulk data (matrix entries) comes

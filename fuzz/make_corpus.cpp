@@ -1,8 +1,9 @@
-// Writes the seed corpora of fuzz_state_file, fuzz_mixers and fuzz_mixers_half (the .npy seeds
-// come from NumPy: make_npy_corpus.py). Run by `scripts/fuzz corpus`:
+// Writes the seed corpora of fuzz_state_file, fuzz_mixers, fuzz_mixers_half and
+// fuzz_device_mixers (the .npy seeds come from NumPy: make_npy_corpus.py). Run by
+// `scripts/fuzz corpus`:
 //
 //   ovq_fuzz_make_corpus OUT_DIR      writes OUT_DIR/fuzz_state_file/*, OUT_DIR/fuzz_mixers/*,
-//                                     OUT_DIR/fuzz_mixers_half/*
+//                                     OUT_DIR/fuzz_mixers_half/*, OUT_DIR/fuzz_device_mixers/*
 //
 // State files: one state of each mixer kind, float, double, fp16 and bf16, alone and in a
 // multi-head layer, after a few tokens (linear, VQ and OVQ states with a partial chunk pending),
@@ -210,6 +211,27 @@ void write_mixer_corpus(const fs::path& dir, const std::vector<ElementSeed>& ele
   write(dir / (std::string("ovq_") + elements[0].name + "_special_values"), special);
 }
 
+// Seeds of fuzz_device_mixers: each element (0: float, 1: double, 2: bf16, 3: fp16) and mixer
+// kind (but double OVQ, which it leaves out) over 2 key/value heads of 2 query heads each, dk 16
+// and dv 12, then bytes of a fixed generator, which choose options, layouts and a few calls.
+void write_device_corpus(const fs::path& dir) {
+  static const char* const kElement[] = {"f32", "f64", "bf16", "f16"};
+  static const char* const kKind[] = {"self", "linear", "vq", "ovq"};
+  std::uint32_t state = 12345;
+  for (unsigned char element = 0; element < 4; ++element) {
+    for (unsigned char kind = 0; kind < 4; ++kind) {
+      if (element == 1 && kind == 3) continue;
+      // seed (4 bytes), element, kind, batch - 1, key/value heads - 1, group - 1, dk - 1, dv - 1
+      Bytes b = {0x21, 0x43, 0x65, kind, element, kind, 0, 1, 1, 15, 11};
+      for (int i = 0; i < 120; ++i) {
+        state = state * 1664525u + 1013904223u;
+        b.push_back(static_cast<unsigned char>(state >> 24));
+      }
+      write(dir / (std::string(kKind[kind]) + "_" + kElement[element]), b);
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -228,6 +250,8 @@ int main(int argc, char** argv) {
     write_mixer_corpus(out / "fuzz_mixers", {{0, "f32"}, {1, "f64"}});
     fs::create_directories(out / "fuzz_mixers_half");
     write_mixer_corpus(out / "fuzz_mixers_half", {{0, "f16"}, {1, "bf16"}, {3, "bf16_amx"}});
+    fs::create_directories(out / "fuzz_device_mixers");
+    write_device_corpus(out / "fuzz_device_mixers");
   } catch (const std::exception& e) {
     std::fprintf(stderr, "ovq_fuzz_make_corpus: %s\n", e.what());
     return 1;
