@@ -367,10 +367,11 @@ class Differential {
       case 5: return 0;
       case 6: return 1;
       // Past a merge block of 1024 keys (self-attention reads its whole cache), in pieces and on
-      // rows large and narrow enough for the emulation to get there in seconds.
+      // rows large and narrow enough for the emulation to get there in seconds (not in 16 bits,
+      // whose tensor-core products the emulation takes lane by lane).
       case 15:
-        return is_self<CpuMixer>::value && chunk >= 64 && std::max(heads_.dk, heads_.dv) <= 64 &&
-                       in_.rarely(4)
+        return is_self<CpuMixer>::value && !is_half_v<S> && chunk >= 64 &&
+                       std::max(heads_.dk, heads_.dv) <= 64 && in_.rarely(4)
                    ? in_.range(1000, 1100)
                    : 2;
       default: return in_.range(0, 64);
