@@ -848,7 +848,7 @@ TEST_CASE("cuda mixers (emulated): views with the heads of a token side by side 
 // A bad value faults the state before the call's reads, which then read nothing: the counters
 // leave out the rows the call would have added, so an extent taken from them would start before
 // the chunk (the AddressSanitizer build sees any such read). Every mixer, over calls longer than
-// the rows its state holds, then the state goes on as if the call had not been made.
+// the rows its state holds: each faults, and leaves the state as it was.
 TEMPLATE_TEST_CASE("cuda mixers (emulated): a call with a bad value reads nothing and changes "
                    "nothing, whatever its length",
                    "[cuda][errors]", float, bf16) {
