@@ -31,6 +31,7 @@
 #include <cstring>
 #include <filesystem>
 #include <initializer_list>
+#include <iterator>
 #include <limits>
 #include <new>
 #include <random>
@@ -296,7 +297,7 @@ struct OvqAltCase {
 Bytes ovq_file_before_version3(const Bytes& file, std::uint32_t version) {
   const std::size_t end = kHeader + options_bytes(ovq::OvqOptions{});
   Bytes b(file.begin(), file.begin() + static_cast<std::ptrdiff_t>(end - kOvqOptionsSince3));
-  b.insert(b.end(), file.begin() + static_cast<std::ptrdiff_t>(end), file.end());
+  std::copy(file.begin() + static_cast<std::ptrdiff_t>(end), file.end(), std::back_inserter(b));
   poke<std::uint32_t>(b, kVersionAt, version);
   poke<std::uint64_t>(b, kPayloadSizeAt, b.size() - kHeader - 4);
   fix_crc(b);

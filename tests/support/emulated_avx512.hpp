@@ -108,8 +108,7 @@ struct EmulatedBf16PairDot {
     return o;
   }
   static Operand load_first(const bf16* p, Index n) {
-    Operand o;
-    std::memset(o.x, 0, sizeof o.x);
+    Operand o{};  // zeros past n
     std::memcpy(o.x, p, static_cast<std::size_t>(n) * sizeof(bf16));
     return o;
   }

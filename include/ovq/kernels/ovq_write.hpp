@@ -127,6 +127,7 @@ void ovq_write_chunk(Dictionary<Element>& dict, std::int64_t absorbed, ConstRows
     std::vector<unsigned char> picked(static_cast<std::size_t>(chunk), 0);
     for (Index step = 0; step < m; ++step) {
       const Index row = least_similar_unpicked(nearest.data(), picked.data(), chunk);
+      if (row < 0) break;  // every row picked: m <= chunk keeps this from happening
       picked[static_cast<std::size_t>(row)] = 1;
       open(row);
     }
