@@ -325,9 +325,9 @@ inline void BM_Peak_sgemm(benchmark::State& st) {
 // The machine's own ceilings, on this run's threads, in this process
 // ---------------------------------------------------------------------------------------------
 //
-//   BM_Peak_fma        fp32 fused multiply-adds, 16 independent chains of full vectors a thread
-//                      (more than the FMA pipes' latency times their throughput): the arithmetic
-//                      ceiling of every float kernel
+//   BM_Peak_fma        fp32 fused multiply-adds, independent chains of full vectors a thread
+//                      (kPeakChains: more than the FMA pipes' latency times their throughput,
+//                      and all in registers): the arithmetic ceiling of every float kernel
 //   BM_Peak_bf16dot    AVX512-BF16 pair dot products (vdpbf16ps, 32 multiply-adds a vector) in
 //                      the same chains, where the CPU has them: the ceiling of bf16 scores
 //   BM_Peak_read       reading a buffer far larger than the caches (1 GiB), every thread its
@@ -348,21 +348,26 @@ using PeakVector = ovq::kernels::simd::F32x16;
 using PeakVector = ovq::kernels::simd::F32x8;
 #endif
 
-// One thread's chains: 16 independent accumulators, `iterations` FMAs each. Returns the flops.
+// One thread's chains: kPeakChains independent accumulators, `iterations` FMAs each. Returns the
+// flops. AVX2 has 16 vector registers: 16 chains and their two operands would not fit, and the
+// chain kept on the stack would run at the speed of a store and a load.
+#if defined(OVQ_ARCH_AVX512) || defined(OVQ_ARCH_AVX2)
+inline constexpr int kPeakChains = PeakVector::kWidth == 16 ? 16 : 12;
+#endif
 inline double fma_chains(std::int64_t iterations, float* sink) {
 #if defined(OVQ_ARCH_AVX512) || defined(OVQ_ARCH_AVX2)
   using V = PeakVector;
-  typename V::reg a[16];
-  for (int i = 0; i < 16; ++i) a[i] = V::set1(1.0f + 1e-3f * static_cast<float>(i));
+  typename V::reg a[kPeakChains];
+  for (int i = 0; i < kPeakChains; ++i) a[i] = V::set1(1.0f + 1e-3f * static_cast<float>(i));
   const typename V::reg b = V::set1(0.9999999f), c = V::set1(1e-7f);
   for (std::int64_t it = 0; it < iterations; ++it) {
     OVQ_UNROLL
-    for (int i = 0; i < 16; ++i) a[i] = V::fmadd(a[i], b, c);
+    for (int i = 0; i < kPeakChains; ++i) a[i] = V::fmadd(a[i], b, c);
   }
   typename V::reg total = a[0];
-  for (int i = 1; i < 16; ++i) total = V::add(total, a[i]);
+  for (int i = 1; i < kPeakChains; ++i) total = V::add(total, a[i]);
   *sink = V::reduce_add(total);
-  return 2.0 * 16.0 * static_cast<double>(V::kWidth) * static_cast<double>(iterations);
+  return 2.0 * kPeakChains * static_cast<double>(V::kWidth) * static_cast<double>(iterations);
 #else
   float a[16];
   for (int i = 0; i < 16; ++i) a[i] = 1.0f + 1e-3f * static_cast<float>(i);
