@@ -809,7 +809,7 @@ TEST_CASE("cuda mixers (emulated): views with the heads of a token side by side 
       for (Index r = 0; r < t; ++r) out.block(r, i * m.cols(), 1, m.cols()) = m.row(i * t + r);
     return out;
   };
-  const auto deinterleave = [t](const RowMatrix<S>& m, Index h) {
+  const auto deinterleave = [&](const RowMatrix<S>& m, Index h) {
     const Index d = m.cols() / h;
     RowMatrix<S> out(h * t, d);
     for (Index i = 0; i < h; ++i)
@@ -817,7 +817,7 @@ TEST_CASE("cuda mixers (emulated): views with the heads of a token side by side 
     return out;
   };
   // The emulation's device memory is host memory: views of the host matrices.
-  const auto token_major = [t](RowMatrix<S>& m, Index h) {
+  const auto token_major = [&](RowMatrix<S>& m, Index h) {
     const Index d = m.cols() / h;
     return cuda::HeadsView<S>{m.data(), h, t, d, d, h * d};
   };

@@ -27,7 +27,7 @@ class SerialEigenScope {
   SerialEigenScope& operator=(const SerialEigenScope&) = delete;
 
  private:
-  int saved_ = 1;
+  [[maybe_unused]] int saved_ = 1;  // read only with OpenMP
 };
 
 // Whether a parallel loop over `work_flops` of work may start a thread team here: not inside
