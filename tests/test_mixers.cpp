@@ -666,7 +666,8 @@ TEST_CASE("saturating growth: floor(N t / (N + t)), exact for large t, never N",
       const Index got = g.target(t, n);
       // floor(N t / (N + t)) by 128-bit integers, independently of the 64-bit rearrangement.
       __extension__ using U128 = unsigned __int128;  // a GCC and Clang extension
-      const auto exact = static_cast<Index>((static_cast<U128>(n) * t) / (static_cast<U128>(n) + t));
+      const auto exact =
+          static_cast<Index>((static_cast<U128>(n) * t) / (static_cast<U128>(n) + t));
       CHECK(got == exact);
       CHECK(got < n);
       CHECK(got >= previous);
