@@ -976,9 +976,10 @@ struct SimdTileOps {
   // tile once: pack_keys, scores_rows_packed.)
   static constexpr Index kPanelMinRows = 32;
   // Register block: R rows x C vectors of keys, N = R C accumulators, one lane's chain at a
-  // time (AVX-512: 4 x 4, a whole tile for four rows, 16 chains + 4 keys of 32 registers; AVX2:
-  // 2 x 4, 8 + 4 of 16).
-  static constexpr int kPanelRows = W == 16 ? 4 : 2, kPanelCols = 4;
+  // time. AVX-512: 4 x 4, a whole tile for four rows, 16 chains + 4 keys of 32 registers. AVX2:
+  // 4 x 2, 8 chains + 2 keys + 1 query of 16, the 8-chain shape whose tree keeps the fewest
+  // held sums on the stack (10 or 12 chains spill more than they gain).
+  static constexpr int kPanelRows = 4, kPanelCols = W == 16 ? 4 : 2;
 
   // acc[r C + c] = Dot::madd_words(q_r's words at feature k, key words of row), R rows x C key
   // vectors. Checked: features from d on read as zeros (the last step).
