@@ -9,6 +9,13 @@
 #include "ovq/cuda/kernels/launch.hpp"
 #include "ovq/cuda/views.hpp"
 
+namespace ovq::cuda {
+
+// The longest chunk of the device mixers (the dictionary writes' grouping is quadratic in L).
+inline constexpr Index kMaxDeviceChunk = 4096;
+
+}  // namespace ovq::cuda
+
 namespace ovq::cuda::detail {
 
 using ovq::detail::concat;
@@ -81,6 +88,11 @@ void check_lse(const char* where, const HeadsView<Compute>& lse, const ConstHead
 inline void check_query_heads(const char* where, Index query_heads, Index heads) {
   require(query_heads >= heads && query_heads % heads == 0, where, "query heads = ", query_heads,
           ", expected a multiple of the ", heads, " key/value heads");
+}
+
+inline void check_device_chunk(const char* where, Index chunk) {
+  require(chunk >= 1 && chunk <= kMaxDeviceChunk, where, "chunk = ", chunk, ", expected 1 ... ",
+          kMaxDeviceChunk, " on CUDA");
 }
 
 inline void check_widths(const char* where, Index dk, Index dv) {

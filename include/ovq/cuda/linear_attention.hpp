@@ -17,8 +17,8 @@
 #include "ovq/cuda/elements.hpp"
 #include "ovq/cuda/kernels/launch.hpp"
 #include "ovq/cuda/kernels/linear.hpp"
+#include "ovq/cuda/mixer_base.hpp"
 #include "ovq/cuda/mixer_support.hpp"
-#include "ovq/cuda/ovq_attention.hpp"
 #include "ovq/cuda/state_base.hpp"
 #include "ovq/mixers/linear_attention.hpp"
 #include "ovq/state/linear_state.hpp"
@@ -42,8 +42,7 @@ class LinearDeviceState : public StateBase<Backend> {
       : Base(stream), heads_(heads), dk_(dk), dv_(dv), chunk_(chunk) {
     const char* where = "cuda::LinearState";
     ovq::detail::check_positive(where, "heads", heads);
-    ovq::detail::require(chunk >= 1 && chunk <= kMaxDeviceChunk, where, "chunk = ", chunk,
-                         ", expected 1 ... ", kMaxDeviceChunk, " on CUDA");
+    detail::check_device_chunk(where, chunk);
     detail::check_widths(where, dk, dv);
     kv_ = DeviceBuffer<Compute, Backend>(static_cast<std::size_t>(heads * dk * dv), stream);
     k_sum_ = DeviceBuffer<Compute, Backend>(static_cast<std::size_t>(heads * dk), stream);
@@ -146,27 +145,29 @@ class LinearDeviceState : public StateBase<Backend> {
 };
 
 template <class Scalar, class Backend>
-class BasicLinearAttention {
+class BasicLinearAttention
+    : public DeviceMixerBase<BasicLinearAttention<Scalar, Backend>, Scalar, Backend,
+                             LinearDeviceState<Scalar, Backend>, LinearAttentionOptions> {
+  using Base = DeviceMixerBase<BasicLinearAttention, Scalar, Backend,
+                               LinearDeviceState<Scalar, Backend>, LinearAttentionOptions>;
+  friend Base;
   using Stored = device_element_t<Scalar>;  // what the kernels store
   using Compute = compute_t<Scalar>;        // what they compute in
+  using Base::options_;
 
  public:
-  using Options = LinearAttentionOptions;
-  using State = LinearDeviceState<Scalar, Backend>;
-  using Stream = typename Backend::Stream;
-  using scalar_type = Scalar;
+  using typename Base::Options;
+  using typename Base::State;
+  using typename Base::Stream;
+  static constexpr bool kHasLogSumExp = false;
 
-  explicit BasicLinearAttention(const Options& options = {}) : options_(options) {
-    const char* where = "cuda::LinearAttention";
-    options_.validate(where);
-    ovq::detail::check_scalar_range<Scalar>(where, "beta", options_.beta);
-    if (options_.normalize) ovq::detail::check_scalar_range<Scalar>(where, "eps", options_.eps);
-    ovq::detail::require(options_.chunk <= kMaxDeviceChunk, where, "chunk = ", options_.chunk,
-                         ", expected at most ", kMaxDeviceChunk, " on CUDA");
+  explicit BasicLinearAttention(const Options& options = {})
+      : Base(options, "cuda::LinearAttention") {
+    if (options_.normalize)
+      ovq::detail::check_scalar_range<Scalar>("cuda::LinearAttention", "eps", options_.eps);
+    detail::check_device_chunk("cuda::LinearAttention", options_.chunk);
     powers_ = ovq::kernels::decay_powers(static_cast<Compute>(options_.decay), options_.chunk);
   }
-
-  const Options& options() const { return options_; }
 
   State make_state(Index heads, Index dk, Index dv, Stream stream = {}) const {
     return State(heads, dk, dv, options_.chunk, powers_, stream);
@@ -175,20 +176,6 @@ class BasicLinearAttention {
   void check_state(const char* where, const State& state) const {
     ovq::detail::require(state.chunk() == options_.chunk, where, "state chunk = ", state.chunk(),
                          ", expected ", options_.chunk, " (the mixer's)");
-  }
-
-  void forward(State& state, ConstHeadsView<Scalar> q, ConstHeadsView<Scalar> k,
-               ConstHeadsView<Scalar> v, HeadsView<Scalar> o, Stream stream = {}) const {
-    run("forward", state, &q, k, v, &o, stream);
-  }
-  void step(State& state, ConstHeadsView<Scalar> q, ConstHeadsView<Scalar> k,
-            ConstHeadsView<Scalar> v, HeadsView<Scalar> o, Stream stream = {}) const {
-    ovq::detail::check_rows("step", "K", k.rows, 1, "one token per step");
-    run("step", state, &q, k, v, &o, stream);
-  }
-  void absorb(State& state, ConstHeadsView<Scalar> k, ConstHeadsView<Scalar> v,
-              Stream stream = {}) const {
-    run("absorb", state, nullptr, k, v, nullptr, stream);
   }
 
   // As the other device mixers' (a linear state needs no workspace: nothing to allocate).
@@ -273,7 +260,6 @@ class BasicLinearAttention {
                                    st.value_dim());
   }
 
-  Options options_;
   std::vector<Compute> powers_;
 };
 

@@ -26,6 +26,7 @@
 #include "ovq/cuda/kernels/launch.hpp"
 #include "ovq/cuda/kernels/read.hpp"
 #include "ovq/cuda/kernels/rows.hpp"
+#include "ovq/cuda/mixer_base.hpp"
 #include "ovq/cuda/mixer_support.hpp"
 #include "ovq/cuda/schedule.hpp"
 #include "ovq/cuda/state_base.hpp"
@@ -35,9 +36,6 @@
 #include "ovq/state/ovq_state.hpp"
 
 namespace ovq::cuda {
-
-// The longest chunk of the CUDA dictionary writes (their grouping is quadratic in L).
-inline constexpr Index kMaxDeviceChunk = 4096;
 
 template <class Element, class Backend>
 class OvqDeviceState : public StateBase<Backend> {
@@ -60,8 +58,7 @@ class OvqDeviceState : public StateBase<Backend> {
     const char* where = "cuda::OvqState";
     ovq::detail::check_positive(where, "heads", heads);
     ovq::detail::check_positive(where, "capacity", capacity);
-    ovq::detail::require(chunk >= 1 && chunk <= kMaxDeviceChunk, where, "chunk = ", chunk,
-                         ", expected 1 ... ", kMaxDeviceChunk, " on CUDA");
+    detail::check_device_chunk(where, chunk);
     detail::check_widths(where, dk, dv);
     const auto rows = static_cast<std::size_t>(heads * capacity);
     const auto pending = static_cast<std::size_t>(heads * chunk);
@@ -267,25 +264,25 @@ class OvqDeviceState : public StateBase<Backend> {
 };
 
 template <class Scalar, class Backend>
-class BasicOvqAttention {
+class BasicOvqAttention
+    : public DeviceMixerBase<BasicOvqAttention<Scalar, Backend>, Scalar, Backend,
+                             OvqDeviceState<Scalar, Backend>, OvqOptions> {
+  using Base = DeviceMixerBase<BasicOvqAttention, Scalar, Backend, OvqDeviceState<Scalar, Backend>,
+                               OvqOptions>;
+  friend Base;
   using Stored = device_element_t<Scalar>;  // what the kernels store
   using Compute = compute_t<Scalar>;        // what they compute in
+  using Base::options_;
 
  public:
-  using Options = OvqOptions;
-  using State = OvqDeviceState<Scalar, Backend>;
-  using Stream = typename Backend::Stream;
-  using scalar_type = Scalar;
+  using typename Base::Options;
+  using typename Base::State;
+  using typename Base::Stream;
+  static constexpr bool kHasLogSumExp = true;
 
-  explicit BasicOvqAttention(const Options& options = {}) : options_(options) {
-    const char* where = "cuda::OvqAttention";
-    options_.validate(where);
-    ovq::detail::check_scalar_range<Scalar>(where, "beta", options_.beta);
-    ovq::detail::require(options_.chunk <= kMaxDeviceChunk, where, "chunk = ", options_.chunk,
-                         ", expected at most ", kMaxDeviceChunk, " on CUDA");
+  explicit BasicOvqAttention(const Options& options = {}) : Base(options, "cuda::OvqAttention") {
+    detail::check_device_chunk("cuda::OvqAttention", options_.chunk);
   }
-
-  const Options& options() const { return options_; }
 
   // One beta per query head in place of the options' beta, as cuda::SelfAttention's
   // set_head_betas (head_betas.hpp).
@@ -306,28 +303,6 @@ class BasicOvqAttention {
                          state.capacity(), ", expected ", options_.capacity, " (the mixer's)");
     ovq::detail::require(state.chunk() == options_.chunk, where, "state chunk = ", state.chunk(),
                          ", expected ", options_.chunk, " (the mixer's)");
-  }
-
-  // q: (heads g, T, dk), k: (heads, T, dk), v: (heads, T, dv), o: (heads g, T, dv) written.
-  void forward(State& state, ConstHeadsView<Scalar> q, ConstHeadsView<Scalar> k,
-               ConstHeadsView<Scalar> v, HeadsView<Scalar> o, Stream stream = {}) const {
-    run("forward", state, &q, k, v, &o, stream);
-  }
-  // The same, and each query's log-sum-exp (lse: (heads g, T, 1) in the compute type, written):
-  // log sum_j exp(s_ij) over the logits (bias included) query i saw, as on the CPU.
-  void forward(State& state, ConstHeadsView<Scalar> q, ConstHeadsView<Scalar> k,
-               ConstHeadsView<Scalar> v, HeadsView<Scalar> o, HeadsView<Compute> lse,
-               Stream stream = {}) const {
-    run("forward", state, &q, k, v, &o, stream, &lse);
-  }
-  void step(State& state, ConstHeadsView<Scalar> q, ConstHeadsView<Scalar> k,
-            ConstHeadsView<Scalar> v, HeadsView<Scalar> o, Stream stream = {}) const {
-    ovq::detail::check_rows("step", "K", k.rows, 1, "one token per step");
-    run("step", state, &q, k, v, &o, stream);
-  }
-  void absorb(State& state, ConstHeadsView<Scalar> k, ConstHeadsView<Scalar> v,
-              Stream stream = {}) const {
-    run("absorb", state, nullptr, k, v, nullptr, stream);
   }
 
   // Everything a step of `query_heads` heads needs, allocated now: a step captured in a CUDA
@@ -563,7 +538,6 @@ class BasicOvqAttention {
                                                                                 d, stream);
   }
 
-  Options options_;
   detail::HeadBetaTable head_betas_;
 };
 

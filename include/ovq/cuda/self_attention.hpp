@@ -22,6 +22,7 @@
 #include "ovq/cuda/kernels/launch.hpp"
 #include "ovq/cuda/kernels/read.hpp"
 #include "ovq/cuda/kernels/rows.hpp"
+#include "ovq/cuda/mixer_base.hpp"
 #include "ovq/cuda/mixer_support.hpp"
 #include "ovq/cuda/state_base.hpp"
 #include "ovq/cuda/views.hpp"
@@ -172,22 +173,24 @@ class KvCacheState : public StateBase<Backend> {
 };
 
 template <class Scalar, class Backend>
-class BasicSelfAttention {
+class BasicSelfAttention
+    : public DeviceMixerBase<BasicSelfAttention<Scalar, Backend>, Scalar, Backend,
+                             KvCacheState<Scalar, Backend>, SelfAttentionOptions> {
+  using Base = DeviceMixerBase<BasicSelfAttention, Scalar, Backend, KvCacheState<Scalar, Backend>,
+                               SelfAttentionOptions>;
+  friend Base;
   using Stored = device_element_t<Scalar>;  // what the kernels store
   using Compute = compute_t<Scalar>;        // what they compute in
+  using Base::options_;
 
  public:
-  using Options = SelfAttentionOptions;
-  using State = KvCacheState<Scalar, Backend>;
-  using Stream = typename Backend::Stream;
-  using scalar_type = Scalar;
+  using typename Base::Options;
+  using typename Base::State;
+  using typename Base::Stream;
+  static constexpr bool kHasLogSumExp = true;
 
-  explicit BasicSelfAttention(const Options& options = {}) : options_(options) {
-    options_.validate("cuda::SelfAttention");
-    ovq::detail::check_scalar_range<Scalar>("cuda::SelfAttention", "beta", options_.beta);
-  }
-
-  const Options& options() const { return options_; }
+  explicit BasicSelfAttention(const Options& options = {})
+      : Base(options, "cuda::SelfAttention") {}
 
   // One beta per query head in place of the options' beta (head_betas.hpp; the CPU's
   // MultiHead::set_head_betas): betas for the Hq query heads of one batch entry, which read
@@ -210,30 +213,6 @@ class BasicSelfAttention {
     ovq::detail::require(state.keep_rows() == keep_rows(), where, "state keeps ",
                          state.keep_rows(), " rows, expected ", keep_rows(), " (window ",
                          options_.window, ")");
-  }
-
-  // q: (heads g, T, dk), k: (heads, T, dk), v: (heads, T, dv), o: (heads g, T, dv) written.
-  void forward(State& state, ConstHeadsView<Scalar> q, ConstHeadsView<Scalar> k,
-               ConstHeadsView<Scalar> v, HeadsView<Scalar> o, Stream stream = {}) const {
-    run("forward", state, &q, k, v, &o, stream);
-  }
-  // The same, and each query's log-sum-exp (lse: (heads g, T, 1) in the compute type, written):
-  // log sum_j exp(s_ij) over the logits query i saw, -inf where it saw none, as on the CPU.
-  void forward(State& state, ConstHeadsView<Scalar> q, ConstHeadsView<Scalar> k,
-               ConstHeadsView<Scalar> v, HeadsView<Scalar> o, HeadsView<Compute> lse,
-               Stream stream = {}) const {
-    run("forward", state, &q, k, v, &o, stream, &lse);
-  }
-  // One token per head: T = 1.
-  void step(State& state, ConstHeadsView<Scalar> q, ConstHeadsView<Scalar> k,
-            ConstHeadsView<Scalar> v, HeadsView<Scalar> o, Stream stream = {}) const {
-    ovq::detail::check_rows("step", "K", k.rows, 1, "one token per step");
-    run("step", state, &q, k, v, &o, stream);
-  }
-  // Writes K and V into the state without reading.
-  void absorb(State& state, ConstHeadsView<Scalar> k, ConstHeadsView<Scalar> v,
-              Stream stream = {}) const {
-    run("absorb", state, nullptr, k, v, nullptr, stream);
   }
 
   // Everything a step of `query_heads` heads needs up to `tokens` tokens in the cache, allocated
@@ -365,7 +344,6 @@ class BasicSelfAttention {
     Backend::template launch<kernels::CounterProgram>(Grid{}, append_count(st, k.rows), stream);
   }
 
-  Options options_;
   detail::HeadBetaTable head_betas_;
 };
 

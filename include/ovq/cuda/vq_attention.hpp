@@ -24,8 +24,8 @@
 #include "ovq/cuda/kernels/dictionary_write.hpp"
 #include "ovq/cuda/kernels/launch.hpp"
 #include "ovq/cuda/kernels/vq.hpp"
+#include "ovq/cuda/mixer_base.hpp"
 #include "ovq/cuda/mixer_support.hpp"
-#include "ovq/cuda/ovq_attention.hpp"
 #include "ovq/cuda/state_base.hpp"
 #include "ovq/cuda/workspace.hpp"
 #include "ovq/mixers/vq_attention.hpp"
@@ -57,8 +57,7 @@ class VqDeviceState : public StateBase<Backend> {
     chunk_ = first.chunk();
     dk_ = first.key_dim();
     dv_ = first.value_dim();
-    ovq::detail::require(chunk_ <= kMaxDeviceChunk, where, "chunk = ", chunk_,
-                         ", expected at most ", kMaxDeviceChunk, " on CUDA");
+    detail::check_device_chunk(where, chunk_);
     detail::check_widths(where, dk_, dv_);
     const auto rows = static_cast<std::size_t>(heads_ * codes_);
     const auto pending = static_cast<std::size_t>(heads_ * chunk_);
@@ -218,25 +217,25 @@ class VqDeviceState : public StateBase<Backend> {
 };
 
 template <class Scalar, class Backend>
-class BasicVqAttention {
+class BasicVqAttention
+    : public DeviceMixerBase<BasicVqAttention<Scalar, Backend>, Scalar, Backend,
+                             VqDeviceState<Scalar, Backend>, VqAttentionOptions> {
+  using Base = DeviceMixerBase<BasicVqAttention, Scalar, Backend, VqDeviceState<Scalar, Backend>,
+                               VqAttentionOptions>;
+  friend Base;
   using Stored = device_element_t<Scalar>;  // what the kernels store
   using Compute = compute_t<Scalar>;        // what they compute in
+  using Base::options_;
 
  public:
-  using Options = VqAttentionOptions;
-  using State = VqDeviceState<Scalar, Backend>;
-  using Stream = typename Backend::Stream;
-  using scalar_type = Scalar;
+  using typename Base::Options;
+  using typename Base::State;
+  using typename Base::Stream;
+  static constexpr bool kHasLogSumExp = true;
 
-  explicit BasicVqAttention(const Options& options = {}) : options_(options) {
-    const char* where = "cuda::VqAttention";
-    options_.validate(where);
-    ovq::detail::check_scalar_range<Scalar>(where, "beta", options_.beta);
-    ovq::detail::require(options_.chunk <= kMaxDeviceChunk, where, "chunk = ", options_.chunk,
-                         ", expected at most ", kMaxDeviceChunk, " on CUDA");
+  explicit BasicVqAttention(const Options& options = {}) : Base(options, "cuda::VqAttention") {
+    detail::check_device_chunk("cuda::VqAttention", options_.chunk);
   }
-
-  const Options& options() const { return options_; }
 
   // One beta per query head in place of the options' beta, as cuda::SelfAttention's
   // set_head_betas (head_betas.hpp).
@@ -259,27 +258,6 @@ class BasicVqAttention {
   void check_state(const char* where, const State& state) const {
     ovq::detail::require(state.chunk() == options_.chunk, where, "state chunk = ", state.chunk(),
                          ", expected ", options_.chunk, " (the mixer's)");
-  }
-
-  void forward(State& state, ConstHeadsView<Scalar> q, ConstHeadsView<Scalar> k,
-               ConstHeadsView<Scalar> v, HeadsView<Scalar> o, Stream stream = {}) const {
-    run("forward", state, &q, k, v, &o, stream);
-  }
-  // The same, and each query's log-sum-exp (lse: (heads g, T, 1) in the compute type, written):
-  // log sum_j exp(s_ij) over the logits (bias included) query i saw, as on the CPU.
-  void forward(State& state, ConstHeadsView<Scalar> q, ConstHeadsView<Scalar> k,
-               ConstHeadsView<Scalar> v, HeadsView<Scalar> o, HeadsView<Compute> lse,
-               Stream stream = {}) const {
-    run("forward", state, &q, k, v, &o, stream, &lse);
-  }
-  void step(State& state, ConstHeadsView<Scalar> q, ConstHeadsView<Scalar> k,
-            ConstHeadsView<Scalar> v, HeadsView<Scalar> o, Stream stream = {}) const {
-    ovq::detail::check_rows("step", "K", k.rows, 1, "one token per step");
-    run("step", state, &q, k, v, &o, stream);
-  }
-  void absorb(State& state, ConstHeadsView<Scalar> k, ConstHeadsView<Scalar> v,
-              Stream stream = {}) const {
-    run("absorb", state, nullptr, k, v, nullptr, stream);
   }
 
   // Everything a step of `query_heads` heads needs, allocated now: a step captured in a CUDA
@@ -446,7 +424,6 @@ class BasicVqAttention {
     return {st.pending_values_.data(), st.chunk() * st.value_dim(), st.value_dim()};
   }
 
-  Options options_;
   detail::HeadBetaTable head_betas_;
 };
 
