@@ -328,9 +328,8 @@ class BasicOvqAttention
 
   struct WriteWorkspace {
     detail::WorkspaceLayout layout;
-    std::size_t nearest, assigned, part_best, part_arg, part_nan, picked, order, group_end, draws,
-        opened, partials, yhat, prediction_partials;
-    int assign_splits = 1;
+    detail::AssignWorkspace<Compute> assign;  // best: each key's nearest score
+    std::size_t draws, opened, partials, yhat, prediction_partials;
     kernels::ReadPlan prediction;  // the delta rule's read (none without it)
   };
   // assign_splits: the centroid ranges of the chunk write's assignment (launch_assign).
@@ -339,17 +338,7 @@ class BasicOvqAttention
     const std::size_t read_scalars = plan.workspace_scalars;
     WriteWorkspace w;
     const auto rows = static_cast<std::size_t>(st.heads() * st.chunk());
-    w.assign_splits = assign_splits;
-    const std::size_t parts =
-        assign_splits > 1 ? rows * static_cast<std::size_t>(assign_splits) : 0;
-    w.nearest = w.layout.template add<Compute>(rows);
-    w.assigned = w.layout.template add<Index>(rows);
-    w.part_best = w.layout.template add<Compute>(parts);
-    w.part_arg = w.layout.template add<Index>(parts);
-    w.part_nan = w.layout.template add<unsigned char>(parts);
-    w.picked = w.layout.template add<unsigned char>(rows);
-    w.order = w.layout.template add<Index>(rows);
-    w.group_end = w.layout.template add<Index>(rows);
+    w.assign = detail::AssignWorkspace<Compute>::add(w.layout, rows, assign_splits);
     w.draws = w.layout.template add<Index>(rows);
     w.opened = w.layout.template add<std::int64_t>(2);
     w.partials = w.layout.template add<Compute>(read_scalars);
@@ -452,7 +441,6 @@ class BasicOvqAttention
   void write(State& st, const WriteWorkspace& w, void* ws, Stream stream) const {
     using detail::WorkspaceLayout;
     const int heads = static_cast<int>(st.heads());
-    Compute* nearest = WorkspaceLayout::at<Compute>(ws, w.nearest);
     Stored* yhat = WorkspaceLayout::at<Stored>(ws, w.yhat);
     const bool delta = options_.value_update == ValueUpdate::delta;
     const kernels::HeadRows<Stored> chunk_keys{st.pending_keys_.data(), st.chunk() * st.key_dim(),
@@ -477,7 +465,6 @@ class BasicOvqAttention
           p, w.prediction, WorkspaceLayout::at<Compute>(ws, w.prediction_partials), stream,
           st.arrivals(w.prediction.arrival_counters, stream, "write"));
     }
-    Index* assigned = WorkspaceLayout::at<Index>(ws, w.assigned);
     std::int64_t* opened = WorkspaceLayout::at<std::int64_t>(ws, w.opened);
 
     // Assignment, seeding and the update work on the running means (16-bit chunk rows widened).
@@ -488,12 +475,7 @@ class BasicOvqAttention
     a.centroids = {st.mean_keys_.data(), st.capacity() * st.key_dim(), st.key_dim()};
     a.counters = st.device_counters();
     a.complete_chunk = st.chunk();
-    a.best = nearest;
-    a.arg = assigned;
-    a.splits = w.assign_splits;
-    a.part_best = WorkspaceLayout::at<Compute>(ws, w.part_best);
-    a.part_arg = WorkspaceLayout::at<Index>(ws, w.part_arg);
-    a.part_nan = WorkspaceLayout::at<unsigned char>(ws, w.part_nan);
+    w.assign.set_assign(a, ws);
     kernels::launch_assign<Backend>(a, st.heads(), stream);
 
     kernels::DictionaryWriteParams<Compute, Stored> d;
@@ -520,11 +502,9 @@ class BasicOvqAttention
     d.renormalize_values = options_.renormalize_values;
     d.delta = delta;
     d.yhat = yhat;
-    d.nearest = nearest;
-    d.assigned = assigned;
-    d.picked = WorkspaceLayout::at<unsigned char>(ws, w.picked);
-    d.order = WorkspaceLayout::at<Index>(ws, w.order);
-    d.group_end = WorkspaceLayout::at<Index>(ws, w.group_end);
+    d.nearest = a.best;
+    d.assigned = a.arg;
+    w.assign.set_grouping(d, ws);
     d.draws = WorkspaceLayout::at<Index>(ws, w.draws);
     d.opened = opened;
     if constexpr (State::kSeparateMeans) {

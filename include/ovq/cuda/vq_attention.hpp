@@ -282,24 +282,14 @@ class BasicVqAttention
 
   struct Workspace {
     detail::WorkspaceLayout layout;
-    std::size_t best, codes, part_best, part_arg, part_nan, picked, order, group_end, partials;
-    int assign_splits = 1;
+    detail::AssignWorkspace<Compute> assign;
+    std::size_t partials;
   };
   // assign_splits: the codebook ranges of a piece's assignment (launch_assign).
   Workspace layout(const State& st, const kernels::ReadPlan& plan, int assign_splits = 1) const {
     Workspace w;
-    const auto rows = static_cast<std::size_t>(st.heads() * st.chunk());
-    w.assign_splits = assign_splits;
-    const std::size_t parts =
-        assign_splits > 1 ? rows * static_cast<std::size_t>(assign_splits) : 0;
-    w.best = w.layout.template add<Compute>(rows);
-    w.codes = w.layout.template add<Index>(rows);
-    w.part_best = w.layout.template add<Compute>(parts);
-    w.part_arg = w.layout.template add<Index>(parts);
-    w.part_nan = w.layout.template add<unsigned char>(parts);
-    w.picked = w.layout.template add<unsigned char>(rows);
-    w.order = w.layout.template add<Index>(rows);
-    w.group_end = w.layout.template add<Index>(rows);
+    w.assign = detail::AssignWorkspace<Compute>::add(
+        w.layout, static_cast<std::size_t>(st.heads() * st.chunk()), assign_splits);
     w.partials = w.layout.template add<Compute>(plan.workspace_scalars);
     return w;
   }
@@ -343,12 +333,7 @@ class BasicVqAttention
       a.offset = st.offsets_.data();
       a.offset_stride = st.codebook_size();
       a.fixed_count = st.codebook_size();
-      a.best = WorkspaceLayout::at<Compute>(ws, w.best);
-      a.arg = WorkspaceLayout::at<Index>(ws, w.codes);
-      a.splits = w.assign_splits;
-      a.part_best = WorkspaceLayout::at<Compute>(ws, w.part_best);
-      a.part_arg = WorkspaceLayout::at<Index>(ws, w.part_arg);
-      a.part_nan = WorkspaceLayout::at<unsigned char>(ws, w.part_nan);
+      w.assign.set_assign(a, ws);
       kernels::launch_assign<Backend>(a, st.heads(), stream);
       kernels::VqPushParams<Stored> push;
       push.codes = a.arg;
@@ -401,9 +386,7 @@ class BasicVqAttention
         d.counters = st.device_counters();
         d.ovq = false;
         d.assigned = st.pending_codes_.data();
-        d.picked = WorkspaceLayout::at<unsigned char>(ws, w.picked);
-        d.order = WorkspaceLayout::at<Index>(ws, w.order);
-        d.group_end = WorkspaceLayout::at<Index>(ws, w.group_end);
+        w.assign.set_grouping(d, ws);
         if constexpr (State::kSeparateMeans)
           d.read_values = {st.values_.data(), st.codebook_size() * st.value_dim(), st.value_dim()};
         d.complete = true;  // the write's last block completes the chunk in the counters
