@@ -7,9 +7,12 @@
 // with the same emulation.
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "ovq/cuda/elements.hpp"
@@ -40,6 +43,16 @@ using ovq::test::tolerance;
 
 template <class S>
 using Rows = DeviceRows<S, Emulator>;
+
+// OVQ_EMULATION_ORDER=reverse runs the emulation's blocks and threads last to first, so that a
+// kernel whose bits depend on that order (a phase reading what another thread writes in it)
+// fails the same checks (tests/CMakeLists.txt runs the [cuda] cases so a second time).
+[[maybe_unused]] const bool kOrderFromEnvironment = [] {
+  const char* order = std::getenv("OVQ_EMULATION_ORDER");
+  if (order != nullptr && std::strcmp(order, "reverse") == 0)
+    cuda::set_emulation_order(cuda::EmulationOrder::reverse);
+  return true;
+}();
 
 template <class S>
 bool same_bits(const RowMatrix<S>& a, const RowMatrix<S>& b) {
@@ -1660,6 +1673,211 @@ TEST_CASE("cuda head betas (emulated): bad betas and calls that do not match the
   CHECK(two.tokens() == 0);
   self.set_head_betas({}, 1);
   CHECK(self.head_betas().empty());
+}
+
+// ---------------------------------------------------------------------------------------------
+// The emulation's own checks: block and thread order, asynchronous copies
+// ---------------------------------------------------------------------------------------------
+
+// Runs the emulation in `order` for its lifetime.
+class ScopedEmulationOrder {
+ public:
+  explicit ScopedEmulationOrder(cuda::EmulationOrder order) : saved_(cuda::emulation_order()) {
+    cuda::set_emulation_order(order);
+  }
+  ~ScopedEmulationOrder() { cuda::set_emulation_order(saved_); }
+  ScopedEmulationOrder(const ScopedEmulationOrder&) = delete;
+  ScopedEmulationOrder& operator=(const ScopedEmulationOrder&) = delete;
+
+ private:
+  cuda::EmulationOrder saved_;
+};
+
+// A program that breaks block.hpp's rule: thread t reads, in the phase in which thread t - 1
+// writes it, thread t - 1's slot of shared memory. Each block's last arrival names itself.
+struct SamePhaseReadProgram {
+  static constexpr int kThreads = 4;
+  struct Params {
+    int* seen;              // kThreads per block
+    std::int64_t* arrivals;
+    int* last_block;
+    std::int64_t blocks;
+  };
+  static std::size_t shared_bytes(const Params&) { return kThreads * sizeof(int); }
+  template <class Block>
+  static void run(Block& block, const Params& p, cuda::BlockIndex index) {
+    int* slot = static_cast<int*>(block.shared());
+    block.each([&](int t) { slot[t] = 0; });
+    block.each([&](int t) {
+      slot[t] = t + 1;
+      p.seen[index.x * kThreads + t] = t > 0 ? slot[t - 1] : -1;
+    });
+    if (block.last_to_arrive(p.arrivals, p.blocks))
+      block.each([&](int t) {
+        if (t == 0) *p.last_block = index.x;
+      });
+  }
+};
+
+// Asynchronous copies into shared memory: each thread copies src[t] and, as a second group,
+// src[kThreads + t]; it waits for the first group, then for both, and the block reads the
+// destinations before and after each barrier.
+struct AsyncCopyProgram {
+  static constexpr int kThreads = 3;
+  struct Params {
+    const float* src;  // 2 kThreads
+    float* read;       // 4 x 2 kThreads: (at the first wait, after it, after the second wait's
+                       // phase, after its barrier) x slots
+  };
+  static std::size_t shared_bytes(const Params&) { return 2 * kThreads * sizeof(float); }
+  template <class Block>
+  static void run(Block& block, const Params& p, cuda::BlockIndex) {
+    float* sh = static_cast<float*>(block.shared());
+    constexpr int n = 2 * kThreads;
+    const auto read_all = [&](int at, int t) {
+      for (int i = t; i < n; i += kThreads) p.read[at * n + i] = sh[i];
+    };
+    block.each([&](int t) {
+      cuda::kernels::copy_element_async(sh + t, p.src + t);
+      cuda::kernels::commit_async();
+      cuda::kernels::copy_element_async(sh + kThreads + t, p.src + kThreads + t);
+      cuda::kernels::commit_async();
+      cuda::kernels::wait_async<1>();
+      read_all(0, t);
+    });
+    block.each([&](int t) {
+      read_all(1, t);
+      cuda::kernels::wait_async<0>();
+      read_all(2, t);
+    });
+    block.each([&](int t) { read_all(3, t); });
+  }
+};
+
+TEST_CASE("cuda emulation: a phase that reads another thread's write of the same phase gives "
+          "other bits in reverse order; blocks arrive last to first",
+          "[cuda][emulation]") {
+  constexpr int kBlocks = 3, kThreads = SamePhaseReadProgram::kThreads;
+  const auto run = [&](cuda::EmulationOrder order) {
+    const ScopedEmulationOrder scoped(order);
+    std::vector<int> seen(kBlocks * kThreads, 99);
+    std::int64_t arrivals = 0;
+    int last = -1;
+    cuda::emulate<SamePhaseReadProgram>(cuda::Grid{kBlocks, 1, 1},
+                                        {seen.data(), &arrivals, &last, kBlocks});
+    CHECK(arrivals == 0);
+    return std::make_pair(seen, last);
+  };
+  const auto [forward, forward_last] = run(cuda::EmulationOrder::forward);
+  const auto [reverse, reverse_last] = run(cuda::EmulationOrder::reverse);
+  for (int b = 0; b < kBlocks; ++b)
+    for (int t = 1; t < kThreads; ++t) {
+      CHECK(forward[b * kThreads + t] == t);  // thread t - 1 ran first
+      CHECK(reverse[b * kThreads + t] == 0);  // thread t - 1 had not run yet
+    }
+  CHECK(forward_last == kBlocks - 1);
+  CHECK(reverse_last == 0);
+}
+
+TEST_CASE("cuda emulation: an asynchronous copy's destination holds poison until the barrier "
+          "after its wait, then the source",
+          "[cuda][emulation]") {
+  constexpr int n = 2 * AsyncCopyProgram::kThreads, first = AsyncCopyProgram::kThreads;
+  std::vector<float> src(n);
+  for (int i = 0; i < n; ++i) src[static_cast<std::size_t>(i)] = 1.5f + static_cast<float>(i);
+  for (const auto order : {cuda::EmulationOrder::forward, cuda::EmulationOrder::reverse}) {
+    const ScopedEmulationOrder scoped(order);
+    std::vector<float> read(4 * n, 0.0f);
+    cuda::emulate<AsyncCopyProgram>(cuda::Grid{}, {src.data(), read.data()});
+    const auto at = [&](int phase, int i) { return read[static_cast<std::size_t>(phase * n + i)]; };
+    for (int i = 0; i < n; ++i) {
+      INFO("slot " << i << ", reverse " << (order == cuda::EmulationOrder::reverse));
+      CHECK(std::isnan(at(0, i)));  // nothing lands before a barrier
+      const float landed = src[static_cast<std::size_t>(i)];
+      if (i < first) {  // the first group, waited for in the first phase
+        CHECK(at(1, i) == landed);
+        CHECK(at(2, i) == landed);
+      } else {  // the second, in flight, then waited for in the second phase
+        CHECK(std::isnan(at(1, i)));
+        CHECK(std::isnan(at(2, i)));  // not even for the thread that waited
+      }
+      CHECK(at(3, i) == landed);
+    }
+  }
+  // Outside a launch a copy is done at once.
+  float x = 0.0f;
+  const float y = 2.5f;
+  cuda::kernels::copy_element_async(&x, &y);
+  CHECK(x == y);
+}
+
+// Every mixer over a stream with prefill pieces and decode steps (split decode reads over more
+// than a merge block), with blocks and threads run first to last and last to first.
+template <class Mixer, class S, class MakeState>
+void check_same_bits_in_both_orders(const Mixer& mixer, MakeState make_state,
+                                    const Stream3<S>& in, const std::vector<Index>& cut) {
+  const auto run = [&](cuda::EmulationOrder order) {
+    const ScopedEmulationOrder scoped(order);
+    return run_device(mixer, make_state(), in, cut);
+  };
+  const auto forward = run(cuda::EmulationOrder::forward);
+  const auto reverse = run(cuda::EmulationOrder::reverse);
+  CHECK(same_bits(forward.o, reverse.o));
+  REQUIRE(forward.states.size() == reverse.states.size());
+  for (std::size_t h = 0; h < forward.states.size(); ++h)
+    CHECK(forward.states[h] == reverse.states[h]);
+}
+
+TEMPLATE_TEST_CASE("cuda mixers (emulated): the same bits with blocks and threads run last to "
+                   "first",
+                   "[cuda][emulation][mixers]", float, bf16) {
+  using S = TestType;
+  const Index heads = 2, dk = 16, dv = 24;
+  // Past one merge block of memory, then steps: the decode reads split.
+  const Index t = 1100;
+  std::vector<Index> cut = {1, 37, 1040};
+  while (std::accumulate(cut.begin(), cut.end(), Index(0)) < t) cut.push_back(1);
+  {
+    SelfAttentionOptions opt;
+    opt.beta = 0.3;
+    opt.chunk = 64;
+    const Stream3<S> in = make_stream<S>(heads, 4, t, dk, dv, 301);
+    const cuda::BasicSelfAttention<S, Emulator> mixer(opt);
+    check_same_bits_in_both_orders(mixer, [&] { return mixer.make_state(heads, dk, dv); }, in,
+                                   cut);
+  }
+  const Index short_t = 90;
+  const std::vector<Index> short_cut = {1, 40, 30, 1, 1, 1, 1, 15};
+  {
+    OvqOptions opt;
+    opt.beta = 2.0;
+    opt.capacity = 40;
+    opt.chunk = 8;
+    const Stream3<S> in = make_stream<S>(heads, 2, short_t, dk, dv, 311, true);
+    const cuda::BasicOvqAttention<S, Emulator> mixer(opt);
+    check_same_bits_in_both_orders(mixer, [&] { return mixer.make_state(heads, dk, dv); }, in,
+                                   short_cut);
+  }
+  {
+    VqAttentionOptions opt;
+    opt.beta = 0.5;
+    opt.chunk = 16;
+    const RowMatrix<S> codebook = random_rows<S>(40, dk, 321);
+    const Stream3<S> in = make_stream<S>(heads, 2, short_t, dk, dv, 331);
+    const cuda::BasicVqAttention<S, Emulator> mixer(opt);
+    check_same_bits_in_both_orders(mixer, [&] { return mixer.make_state(heads, codebook, dv); },
+                                   in, short_cut);
+  }
+  {
+    LinearAttentionOptions opt;
+    opt.chunk = 16;
+    opt.normalize = true;
+    opt.feature_map = kernels::FeatureMap::elu1;
+    const Stream3<S> in = make_stream<S>(heads, 2, short_t, dk, dv, 341);
+    const cuda::BasicLinearAttention<S, Emulator> mixer(opt);
+    check_same_bits_in_both_orders(mixer, [&] { return mixer.make_state(heads, dk, dv); }, in,
+                                   short_cut);
+  }
 }
 
 }  // namespace

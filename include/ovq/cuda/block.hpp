@@ -21,8 +21,16 @@
 // computes because no phase reads what another thread of the block writes in the same phase:
 // the programs keep to that rule, and threads only exchange values through shared memory across
 // a barrier. Device-wide ordering comes from kernel boundaries only (no atomics, no grid sync).
+//
+// So that a program breaking the rule fails its tests here rather than racing on a GPU, the
+// emulation can run a launch's blocks and each phase's threads last to first
+// (set_emulation_order; a GPU runs them in any order, so the bits must not change), and its
+// asynchronous copies (async_copy.hpp) land as late as a GPU may land them: at the barrier that
+// ends the phase of their wait, their destination poisoned until then.
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <deque>
 #include <new>
 #include <vector>
 
@@ -38,6 +46,97 @@ struct BlockIndex {
 };
 
 // ---- host emulation ----
+
+// The order in which the emulation runs a launch's blocks and each phase's threads (forward:
+// first to last).
+enum class EmulationOrder { forward, reverse };
+
+inline EmulationOrder& emulation_order_setting() {
+  static EmulationOrder order = EmulationOrder::forward;
+  return order;
+}
+inline EmulationOrder emulation_order() { return emulation_order_setting(); }
+// For the tests: every later launch of the emulation runs in `order`.
+inline void set_emulation_order(EmulationOrder order) { emulation_order_setting() = order; }
+
+// The asynchronous copies of one emulated block: a copy poisons its destination (every byte
+// 0xff) when issued and lands at the end of the phase in which its thread waits for it, the
+// latest a GPU may make it visible to the block; a copy never waited for never lands. So a
+// thread that reads a destination before the barrier after the wait reads NaN or -1, where a
+// GPU might read stale data.
+class EmulatedAsyncCopies {
+ public:
+  explicit EmulatedAsyncCopies(int threads) : open_(threads), committed_(threads) {}
+
+  void set_thread(int t) { thread_ = t; }
+  void issue(void* dst, const void* src, std::size_t bytes) {
+    std::memset(dst, 0xff, bytes);
+    open_[thread_].push_back(Copy{dst, src, bytes});
+  }
+  void commit() {
+    committed_[thread_].push_back(std::move(open_[thread_]));
+    open_[thread_].clear();
+  }
+  // The thread's committed groups but the `in_flight` latest land at the end of the phase.
+  void wait(int in_flight) {
+    auto& groups = committed_[thread_];
+    while (groups.size() > static_cast<std::size_t>(in_flight)) {
+      landing_.insert(landing_.end(), groups.front().begin(), groups.front().end());
+      groups.pop_front();
+    }
+  }
+  // At a barrier.
+  void land() {
+    for (const Copy& c : landing_) std::memcpy(c.dst, c.src, c.bytes);
+    landing_.clear();
+  }
+
+ private:
+  struct Copy {
+    void* dst;
+    const void* src;
+    std::size_t bytes;
+  };
+  int thread_ = 0;
+  std::vector<std::vector<Copy>> open_;             // per thread: issued since its last commit
+  std::vector<std::deque<std::vector<Copy>>> committed_;  // per thread: its groups in flight
+  std::vector<Copy> landing_;                       // waited for in this phase
+};
+
+// The copies of the block the calling host thread is emulating (null outside a launch).
+inline EmulatedAsyncCopies*& emulated_async_copies() {
+  thread_local EmulatedAsyncCopies* copies = nullptr;
+  return copies;
+}
+
+// Makes `copies` the calling thread's for its lifetime.
+class EmulatedCopiesScope {
+ public:
+  explicit EmulatedCopiesScope(EmulatedAsyncCopies* copies) : outer_(emulated_async_copies()) {
+    emulated_async_copies() = copies;
+  }
+  ~EmulatedCopiesScope() { emulated_async_copies() = outer_; }
+  EmulatedCopiesScope(const EmulatedCopiesScope&) = delete;
+  EmulatedCopiesScope& operator=(const EmulatedCopiesScope&) = delete;
+
+ private:
+  EmulatedAsyncCopies* outer_;
+};
+
+// async_copy.hpp's operations in the emulation; outside a launch a copy is done at once.
+inline void emulated_copy_async(void* dst, const void* src, std::size_t bytes) {
+  if (EmulatedAsyncCopies* copies = emulated_async_copies()) {
+    copies->issue(dst, src, bytes);
+  } else {
+    std::memcpy(dst, src, bytes);
+  }
+}
+inline void emulated_commit_async() {
+  if (EmulatedAsyncCopies* copies = emulated_async_copies()) copies->commit();
+}
+inline void emulated_wait_async(int in_flight) {
+  if (EmulatedAsyncCopies* copies = emulated_async_copies()) copies->wait(in_flight);
+}
 
 // (Written as host and device code, though it only ever runs on the host: nvcc checks that the
 // host-and-device block programs call nothing host-only, whichever block they are given.)
@@ -61,12 +160,22 @@ class EmulatedBlock {
   template <class T>
   using PerThread = EmulatedPerThread<T, kThreads>;
 
-  OVQ_HOST_DEVICE explicit EmulatedBlock(void* shared) : shared_(shared) {}
+  OVQ_HOST_DEVICE EmulatedBlock(void* shared, bool reverse, EmulatedAsyncCopies* copies)
+      : shared_(shared), reverse_(reverse), copies_(copies) {}
   OVQ_HOST_DEVICE void* shared() const { return shared_; }
 
   template <class F>
   OVQ_HOST_DEVICE void each(F&& f) {
+#if defined(OVQ_DEVICE_PASS)
     for (int t = 0; t < kThreads; ++t) f(t);
+#else
+    for (int i = 0; i < kThreads; ++i) {
+      const int t = reverse_ ? kThreads - 1 - i : i;
+      copies_->set_thread(t);
+      f(t);
+    }
+    copies_->land();  // the barrier
+#endif
   }
 
   // Whether this block is the last of `blocks` to arrive at *arrivals (block-uniform code,
@@ -79,23 +188,30 @@ class EmulatedBlock {
 
  private:
   void* shared_;
+  bool reverse_;
+  EmulatedAsyncCopies* copies_;
 };
 
-// Runs program P over `grid` on the host, block after block, with `params` pointing to host
-// memory. Shared memory is poisoned (all bytes 0xff: NaN in every float and double) before
-// each block, so that a program reading shared memory it did not write fails its tests.
+// Runs program P over `grid` on the host, block after block (in emulation_order()), with
+// `params` pointing to host memory. Shared memory is poisoned (all bytes 0xff: NaN in every
+// float and double) before each block, so that a program reading shared memory it did not write
+// fails its tests.
 template <class P>
 void emulate(Grid grid, const typename P::Params& params) {
   const std::size_t bytes = P::shared_bytes(params);
   std::vector<std::max_align_t> storage(bytes / sizeof(std::max_align_t) + 1);
-  for (int z = 0; z < grid.z; ++z)
-    for (int y = 0; y < grid.y; ++y)
-      for (int x = 0; x < grid.x; ++x) {
-        unsigned char* raw = reinterpret_cast<unsigned char*>(storage.data());
-        for (std::size_t b = 0; b < bytes; ++b) raw[b] = 0xff;
-        EmulatedBlock<P::kThreads> block(storage.data());
-        P::run(block, params, BlockIndex{x, y, z});
-      }
+  const bool reverse = emulation_order() == EmulationOrder::reverse;
+  const long long blocks = static_cast<long long>(grid.x) * grid.y * grid.z;
+  for (long long i = 0; i < blocks; ++i) {
+    const long long b = reverse ? blocks - 1 - i : i;
+    const BlockIndex index{static_cast<int>(b % grid.x), static_cast<int>(b / grid.x % grid.y),
+                           static_cast<int>(b / grid.x / grid.y)};
+    std::memset(storage.data(), 0xff, bytes);
+    EmulatedAsyncCopies copies(P::kThreads);
+    const EmulatedCopiesScope scope(&copies);
+    EmulatedBlock<P::kThreads> block(storage.data(), reverse, &copies);
+    P::run(block, params, index);
+  }
 }
 
 // ---- GPU ----

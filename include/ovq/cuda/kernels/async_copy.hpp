@@ -7,8 +7,8 @@
 // most N of its groups are still in flight (wait_async<N>); the barrier that ends the phase then
 // makes every thread's copies visible to the block. A program issues copies only into shared
 // memory that no thread reads or writes until the phase after the matching wait, and from memory
-// no kernel writes meanwhile, so the emulation, which copies at once, computes the GPU's bits
-// (block.hpp's rule holds at the wait).
+// no kernel writes meanwhile. The emulation holds it to that: a copy poisons its destination
+// when issued and lands at the barrier after its wait (block.hpp).
 //
 // Why: a tile staged by plain loads waits for each thread's loads in turn (a few in flight per
 // thread, each a full trip to device memory); staged by cp.async, every piece of the tile is in
@@ -18,6 +18,7 @@
 
 #include "ovq/config.hpp"
 #include "ovq/core/views.hpp"
+#include "ovq/cuda/block.hpp"
 
 namespace ovq::cuda::kernels {
 
@@ -33,7 +34,7 @@ OVQ_HOST_DEVICE inline void copy16_async(void* dst, const void* src) {
 #elif defined(OVQ_DEVICE_PASS)
   *static_cast<uint4*>(dst) = *static_cast<const uint4*>(src);
 #else
-  std::memcpy(dst, src, 16);
+  emulated_copy_async(dst, src, 16);
 #endif
 }
 
@@ -48,6 +49,11 @@ OVQ_HOST_DEVICE inline void copy_element_async(E* dst, const E* src) {
                  : "memory");
     return;
   }
+#elif !defined(OVQ_DEVICE_PASS)
+  if constexpr (sizeof(E) == 4 || sizeof(E) == 8) {
+    emulated_copy_async(dst, src, sizeof(E));
+    return;
+  }
 #endif
   *dst = *src;
 }
@@ -56,6 +62,8 @@ OVQ_HOST_DEVICE inline void copy_element_async(E* dst, const E* src) {
 OVQ_HOST_DEVICE inline void commit_async() {
 #if defined(OVQ_CUDA_ASYNC_COPY)
   asm volatile("cp.async.commit_group;\n" ::: "memory");
+#elif !defined(OVQ_DEVICE_PASS)
+  emulated_commit_async();
 #endif
 }
 
@@ -64,6 +72,8 @@ template <int N>
 OVQ_HOST_DEVICE inline void wait_async() {
 #if defined(OVQ_CUDA_ASYNC_COPY)
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#elif !defined(OVQ_DEVICE_PASS)
+  emulated_wait_async(N);
 #endif
 }
 
