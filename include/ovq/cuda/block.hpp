@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <cstring>
 #include <deque>
+#include <memory>
 #include <new>
 #include <vector>
 
@@ -192,6 +193,14 @@ class EmulatedBlock {
   EmulatedAsyncCopies* copies_;
 };
 
+// The emulation's shared memory: aligned as a GPU's for its 16-byte loads.
+constexpr std::size_t kEmulatedSharedAlignment = 16;
+struct EmulatedSharedRelease {
+  void operator()(unsigned char* p) const {
+    ::operator delete(p, std::align_val_t{kEmulatedSharedAlignment});
+  }
+};
+
 // Runs program P over `grid` on the host, block after block (in emulation_order()), with
 // `params` pointing to host memory. Shared memory is poisoned (all bytes 0xff: NaN in every
 // float and double) before each block, so that a program reading shared memory it did not write
@@ -199,17 +208,20 @@ class EmulatedBlock {
 template <class P>
 void emulate(Grid grid, const typename P::Params& params) {
   const std::size_t bytes = P::shared_bytes(params);
-  std::vector<std::max_align_t> storage(bytes / sizeof(std::max_align_t) + 1);
+  // Exactly `bytes` (at least one), so that AddressSanitizer reports a program writing or
+  // reading past its shared memory.
+  const std::unique_ptr<unsigned char, EmulatedSharedRelease> storage(static_cast<unsigned char*>(
+      ::operator new(bytes > 0 ? bytes : 1, std::align_val_t{kEmulatedSharedAlignment})));
   const bool reverse = emulation_order() == EmulationOrder::reverse;
   const long long blocks = static_cast<long long>(grid.x) * grid.y * grid.z;
   for (long long i = 0; i < blocks; ++i) {
     const long long b = reverse ? blocks - 1 - i : i;
     const BlockIndex index{static_cast<int>(b % grid.x), static_cast<int>(b / grid.x % grid.y),
                            static_cast<int>(b / grid.x / grid.y)};
-    std::memset(storage.data(), 0xff, bytes);
+    std::memset(storage.get(), 0xff, bytes);
     EmulatedAsyncCopies copies(P::kThreads);
     const EmulatedCopiesScope scope(&copies);
-    EmulatedBlock<P::kThreads> block(storage.data(), reverse, &copies);
+    EmulatedBlock<P::kThreads> block(storage.get(), reverse, &copies);
     P::run(block, params, index);
   }
 }
