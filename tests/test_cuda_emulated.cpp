@@ -7,6 +7,7 @@
 // with the same emulation.
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -46,12 +47,18 @@ using Rows = DeviceRows<S, Emulator>;
 
 // OVQ_EMULATION_ORDER=reverse runs the emulation's blocks and threads last to first, so that a
 // kernel whose bits depend on that order (a phase reading what another thread writes in it)
-// fails the same checks (tests/CMakeLists.txt runs the [cuda] cases so a second time).
+// fails the same checks (tests/CMakeLists.txt runs the [cuda] cases so a second time). Any
+// other value than forward or reverse stops the binary, so a misspelt one cannot make that second
+// run repeat the first.
 [[maybe_unused]] const bool kOrderFromEnvironment = [] {
   const char* order = std::getenv("OVQ_EMULATION_ORDER");
-  if (order != nullptr && std::strcmp(order, "reverse") == 0)
+  if (order == nullptr || std::strcmp(order, "forward") == 0) return true;
+  if (std::strcmp(order, "reverse") == 0) {
     cuda::set_emulation_order(cuda::EmulationOrder::reverse);
-  return true;
+    return true;
+  }
+  std::fprintf(stderr, "OVQ_EMULATION_ORDER = '%s', expected forward or reverse\n", order);
+  std::exit(2);
 }();
 
 template <class S>
@@ -1636,7 +1643,8 @@ TEST_CASE("cuda head betas (emulated): bad betas and calls that do not match the
   using ovq::test::MessageHas;
   cuda::BasicSelfAttention<S, Emulator> self;
   CHECK_THROWS_MATCHES(self.set_head_betas({1.0, 2.0, 3.0}, 2), ArgumentError,
-                       MessageHas({"set_head_betas", "kv_heads = 2", "divisor of the 3"}));
+                       MessageHas({"cuda::SelfAttention::set_head_betas", "kv_heads = 2",
+                                   "divisor of the 3"}));
   CHECK_THROWS_MATCHES(self.set_head_betas({1.0, -1.0}, 1), ArgumentError,
                        MessageHas({"betas[1]"}));
   CHECK_THROWS_MATCHES(self.set_head_betas(std::vector<double>(257, 1.0), 1), ArgumentError,
@@ -1648,6 +1656,13 @@ TEST_CASE("cuda head betas (emulated): bad betas and calls that do not match the
   CHECK_THROWS_MATCHES(ovq.set_head_betas({1.0, 2.0, 1.0, 1.0}, 2), ArgumentError,
                        MessageHas({"betas[1] = 2", "share"}));
   CHECK_NOTHROW(ovq.set_head_betas({1.0, 1.0, 2.0, 2.0}, 2));
+  // Without the delta rule the write does not read, so a group's heads may differ.
+  cuda::BasicOvqAttention<S, Emulator> ovq_mean;
+  CHECK_NOTHROW(ovq_mean.set_head_betas({1.0, 2.0, 1.0, 1.0}, 2));
+  cuda::BasicVqAttention<S, Emulator> vq;
+  CHECK_THROWS_MATCHES(vq.set_head_betas({1.0, 2.0, 3.0}, 2), ArgumentError,
+                       MessageHas({"cuda::VqAttention::set_head_betas", "kv_heads = 2"}));
+  CHECK_NOTHROW(vq.set_head_betas({1.0, 2.0, 1.0, 1.0}, 2));
 
   // Four query heads over two key/value heads: a call must have batch x 4 query heads over
   // batch x 2 states.

@@ -10,6 +10,7 @@
 //                                   CPU (softmax mixers: self, VQ, OVQ)
 //   step(state, q, k, v, o)         one token per head (T = 1)
 //   absorb(state, K, V)             writes K and V into the state without reading
+//   set_head_betas(betas, kv_heads) one logit scale per query head (softmax mixers)
 //
 // each one call of the mixer's run() on one stream, never synchronising. A mixer (Derived)
 // provides:
@@ -17,8 +18,13 @@
 //            ConstHeadsView<S> v, const HeadsView<S>* o, Stream
 //            [, const HeadsView<compute_t<S>>* lse]) const;   // lse where kHasLogSumExp
 //   static constexpr bool kHasLogSumExp;
+//   bool write_uses_beta() const;   // softmax mixers whose write reads (OVQ's delta rule)
 // and checks every argument in run() before anything is launched.
+#include <string>
+#include <vector>
+
 #include "ovq/core/checks.hpp"
+#include "ovq/cuda/head_betas.hpp"
 #include "ovq/cuda/views.hpp"
 
 namespace ovq::cuda {
@@ -54,17 +60,38 @@ class DeviceMixerBase {
     self().run("absorb", state, nullptr, k, v, nullptr, stream);
   }
 
+  // One beta per query head in place of the options' beta (head_betas.hpp; the CPU's
+  // MultiHead::set_head_betas): betas for the Hq query heads of one batch entry, which read
+  // kv_heads key/value heads; calls then have batch x Hq query heads over batch x kv_heads
+  // states. Empty betas: the options' beta for every head. A captured graph keeps the betas it
+  // was captured with (they travel by value in the kernels' parameters).
+  void set_head_betas(const std::vector<double>& betas, Index kv_heads) {
+    static_assert(Derived::kHasLogSumExp, "this mixer has no softmax, so no logit scale per head");
+    const std::string where = std::string(name_) + "::set_head_betas";
+    head_betas_ = detail::HeadBetaTable::make<Scalar>(where.c_str(), betas, kv_heads,
+                                                      self().write_uses_beta());
+  }
+  const std::vector<double>& head_betas() const { return head_betas_.betas(); }
+
  protected:
   // The options, validated as the CPU mixer's, with a beta the element type can hold.
-  DeviceMixerBase(const Options& options, const char* where) : options_(options) {
-    options_.validate(where);
-    ovq::detail::check_scalar_range<Scalar>(where, "beta", options_.beta);
+  // name: the mixer's, in its errors ("cuda::SelfAttention").
+  DeviceMixerBase(const Options& options, const char* name) : options_(options), name_(name) {
+    options_.validate(name);
+    ovq::detail::check_scalar_range<Scalar>(name, "beta", options_.beta);
   }
 
+  // Whether the mixer's write reads with beta, so that the query heads of a key/value head must
+  // share theirs (OVQ's delta rule overrides this).
+  bool write_uses_beta() const { return false; }
+
   Options options_;
+  detail::HeadBetaTable head_betas_;  // empty: the options' beta for every head
 
  private:
   const Derived& self() const { return static_cast<const Derived&>(*this); }
+
+  const char* name_;
 };
 
 }  // namespace ovq::cuda

@@ -20,7 +20,6 @@
 #include "ovq/cuda/buffer.hpp"
 #include "ovq/cuda/checks.hpp"
 #include "ovq/cuda/elements.hpp"
-#include "ovq/cuda/head_betas.hpp"
 #include "ovq/cuda/kernels/assign.hpp"
 #include "ovq/cuda/kernels/dictionary_write.hpp"
 #include "ovq/cuda/kernels/launch.hpp"
@@ -271,10 +270,11 @@ class BasicOvqAttention
                                OvqOptions>;
   friend Base;
   using Stored = device_element_t<Scalar>;  // what the kernels store
-  using Compute = compute_t<Scalar>;        // what they compute in
+  using Base::head_betas_;
   using Base::options_;
 
  public:
+  using typename Base::Compute;  // what the kernels compute in
   using typename Base::Options;
   using typename Base::State;
   using typename Base::Stream;
@@ -283,15 +283,6 @@ class BasicOvqAttention
   explicit BasicOvqAttention(const Options& options = {}) : Base(options, "cuda::OvqAttention") {
     detail::check_device_chunk("cuda::OvqAttention", options_.chunk);
   }
-
-  // One beta per query head in place of the options' beta, as cuda::SelfAttention's
-  // set_head_betas (head_betas.hpp).
-  void set_head_betas(const std::vector<double>& betas, Index kv_heads) {
-    const bool write_reads = options_.value_update == ValueUpdate::delta;
-    head_betas_ = detail::HeadBetaTable::make<Scalar>("cuda::OvqAttention::set_head_betas", betas,
-                                                      kv_heads, write_reads);
-  }
-  const std::vector<double>& head_betas() const { return head_betas_.betas(); }
 
   // `heads` = batch x key/value heads.
   State make_state(Index heads, Index dk, Index dv, Stream stream = {}) const {
@@ -319,6 +310,10 @@ class BasicOvqAttention
   }
 
  private:
+  // The delta rule's write predicts each key with the read, so set_head_betas keeps one beta per
+  // key/value head's group.
+  bool write_uses_beta() const { return options_.value_update == ValueUpdate::delta; }
+
   kernels::ReadPlan step_plan(const State& st, Index group, Index n, Index memory,
                               Index local) const {
     return kernels::plan_read<Stored>(st.heads(), group, n,
@@ -427,7 +422,7 @@ class BasicOvqAttention
     kernels::ReadParams<Compute, Stored> p = detail::read_params<Compute>(
         stored(q), stored(o), st.heads(), st.key_dim(), st.value_dim(), options_.beta,
         st.device_counters());
-    p.head_betas = head_betas_.for_queries<Compute>();
+    p.head_betas = head_betas_.template for_queries<Compute>();
     p.source = kernels::ReadSource::dictionary;
     set_dictionary(st, p);
     p.local_keys = {st.pending_keys_.data(), st.chunk() * st.key_dim(), st.key_dim()};
@@ -455,7 +450,7 @@ class BasicOvqAttention
       kernels::ReadParams<Compute, Stored> p = detail::read_params<Compute>(
           keys, out, st.heads(), st.key_dim(), st.value_dim(), options_.beta,
           st.device_counters());
-      p.head_betas = head_betas_.for_states<Compute>();
+      p.head_betas = head_betas_.template for_states<Compute>();
       p.source = kernels::ReadSource::dictionary_rows;
       p.causal = false;
       set_dictionary(st, p);
@@ -517,8 +512,6 @@ class BasicOvqAttention
     Backend::template launch<kernels::DictionaryWriteProgram<Compute, Stored>>(Grid{1, heads, 1},
                                                                                 d, stream);
   }
-
-  detail::HeadBetaTable head_betas_;
 };
 
 }  // namespace ovq::cuda

@@ -18,7 +18,6 @@
 #include "ovq/cuda/buffer.hpp"
 #include "ovq/cuda/checks.hpp"
 #include "ovq/cuda/elements.hpp"
-#include "ovq/cuda/head_betas.hpp"
 #include "ovq/cuda/kernels/launch.hpp"
 #include "ovq/cuda/kernels/read.hpp"
 #include "ovq/cuda/kernels/rows.hpp"
@@ -180,10 +179,11 @@ class BasicSelfAttention
                                SelfAttentionOptions>;
   friend Base;
   using Stored = device_element_t<Scalar>;  // what the kernels store
-  using Compute = compute_t<Scalar>;        // what they compute in
+  using Base::head_betas_;
   using Base::options_;
 
  public:
+  using typename Base::Compute;  // what the kernels compute in
   using typename Base::Options;
   using typename Base::State;
   using typename Base::Stream;
@@ -191,17 +191,6 @@ class BasicSelfAttention
 
   explicit BasicSelfAttention(const Options& options = {})
       : Base(options, "cuda::SelfAttention") {}
-
-  // One beta per query head in place of the options' beta (head_betas.hpp; the CPU's
-  // MultiHead::set_head_betas): betas for the Hq query heads of one batch entry, which read
-  // kv_heads key/value heads; calls then have batch x Hq query heads over batch x kv_heads
-  // states. Empty betas: the options' beta for every head. A captured graph keeps the betas it
-  // was captured with (they travel by value in the kernels' parameters).
-  void set_head_betas(const std::vector<double>& betas, Index kv_heads) {
-    head_betas_ = detail::HeadBetaTable::make<Scalar>(
-        "cuda::SelfAttention::set_head_betas", betas, kv_heads, false);
-  }
-  const std::vector<double>& head_betas() const { return head_betas_.betas(); }
 
   // `heads` = batch x key/value heads; reserve_tokens: rows to hold before growing.
   State make_state(Index heads, Index dk, Index dv, Stream stream = {},
@@ -297,7 +286,7 @@ class BasicSelfAttention
     kernels::ReadParams<Compute, Stored> p = detail::read_params<Compute>(
         stored(q), stored(o), st.heads(), st.key_dim(), st.value_dim(), options_.beta,
         st.device_counters());
-    p.head_betas = head_betas_.for_queries<Compute>();
+    p.head_betas = head_betas_.template for_queries<Compute>();
     p.causal = options_.causal;
     p.window = options_.window;
     p.source = kernels::ReadSource::cache;
@@ -343,8 +332,6 @@ class BasicSelfAttention
           Grid{static_cast<int>(k.rows), static_cast<int>(st.heads()), 1}, c, stream);
     Backend::template launch<kernels::CounterProgram>(Grid{}, append_count(st, k.rows), stream);
   }
-
-  detail::HeadBetaTable head_betas_;
 };
 
 }  // namespace ovq::cuda

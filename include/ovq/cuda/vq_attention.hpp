@@ -19,7 +19,6 @@
 #include "ovq/cuda/buffer.hpp"
 #include "ovq/cuda/checks.hpp"
 #include "ovq/cuda/elements.hpp"
-#include "ovq/cuda/head_betas.hpp"
 #include "ovq/cuda/kernels/assign.hpp"
 #include "ovq/cuda/kernels/dictionary_write.hpp"
 #include "ovq/cuda/kernels/launch.hpp"
@@ -224,10 +223,11 @@ class BasicVqAttention
                                VqAttentionOptions>;
   friend Base;
   using Stored = device_element_t<Scalar>;  // what the kernels store
-  using Compute = compute_t<Scalar>;        // what they compute in
+  using Base::head_betas_;
   using Base::options_;
 
  public:
+  using typename Base::Compute;  // what the kernels compute in
   using typename Base::Options;
   using typename Base::State;
   using typename Base::Stream;
@@ -236,14 +236,6 @@ class BasicVqAttention
   explicit BasicVqAttention(const Options& options = {}) : Base(options, "cuda::VqAttention") {
     detail::check_device_chunk("cuda::VqAttention", options_.chunk);
   }
-
-  // One beta per query head in place of the options' beta, as cuda::SelfAttention's
-  // set_head_betas (head_betas.hpp).
-  void set_head_betas(const std::vector<double>& betas, Index kv_heads) {
-    head_betas_ = detail::HeadBetaTable::make<Scalar>(
-        "cuda::VqAttention::set_head_betas", betas, kv_heads, false);
-  }
-  const std::vector<double>& head_betas() const { return head_betas_.betas(); }
 
   // `heads` heads (batch x key/value heads) over one codebook (S x dk, finite).
   State make_state(Index heads, const ConstMatrixRef<Scalar>& codebook, Index dv,
@@ -358,7 +350,7 @@ class BasicVqAttention
         kernels::ReadParams<Compute, Stored> p = detail::read_params<Compute>(
             stored(q->middle_rows(pos, len)), stored(o->middle_rows(pos, len)), st.heads(),
             st.key_dim(), st.value_dim(), options_.beta, st.device_counters());
-        p.head_betas = head_betas_.for_queries<Compute>();
+        p.head_betas = head_betas_.template for_queries<Compute>();
         p.source = kernels::ReadSource::dictionary;
         p.memory_keys = a.centroids;
         p.memory_values = {st.read_values(), st.codebook_size() * st.value_dim(), st.value_dim()};
@@ -406,8 +398,6 @@ class BasicVqAttention
   static kernels::HeadRows<Stored> pending_values(const State& st) {
     return {st.pending_values_.data(), st.chunk() * st.value_dim(), st.value_dim()};
   }
-
-  detail::HeadBetaTable head_betas_;
 };
 
 }  // namespace ovq::cuda
