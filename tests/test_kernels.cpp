@@ -422,7 +422,8 @@ TEST_CASE("read kernel: scores from a packed panel are the in-place scores bit f
 }
 
 // accumulate over rows [i0, i0 + rows) of a 7-row tile gives the bits of the whole tile's call
-// (6-row blocks, pairs and single rows, single rows in runs of keys), and P V within rounding.
+// (6-row blocks, 4-row blocks on AVX2, pairs and single rows, single rows in runs of keys), and
+// P V within rounding.
 // The pieces run with a pacing hook, as in check_scores_rows. Values are Elements (16-bit ones
 // widened by the kernels), weights and accumulators their compute type.
 template <class Element, class Arch>

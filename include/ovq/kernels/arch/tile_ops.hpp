@@ -1401,7 +1401,12 @@ struct SimdTileOps {
       if (j % kPacingKeys == 0) pacing.advance(2 * R * C * W * std::min(kPacingKeys, bk - j));
       reg vv[C];
       OVQ_UNROLL
-      for (int c = 0; c < C; ++c) vv[c] = V::load(v + j * v_stride + c * W);
+      for (int c = 0; c < C; ++c) {
+        vv[c] = V::load(v + j * v_stride + c * W);
+        // Loaded once for the R rows: left to itself, the compiler folds the load into each
+        // row's FMA, R loads of every value vector, and the loads then bound the block.
+        if constexpr (R > 1) in_register(vv[c]);
+      }
       OVQ_UNROLL
       for (int i = 0; i < R; ++i) {
         const reg w = V::set1(p[i * kKeyTile + j]);
@@ -1450,12 +1455,20 @@ struct SimdTileOps {
 #endif
 
   // Rows per block: 6 x 2 vectors on AVX2 (12 chains, + 2 values + 1 weight in 16 registers),
-  // 4 x 4 on AVX-512 (16 chains of its 32 registers); then pairs, then single rows.
+  // 4 x 4 on AVX-512 (16 chains of its 32 registers); then 4 x 2 on AVX2 (a grouped-query decode
+  // step's four query heads: each value row read once for all four, where two pairs would read
+  // it twice), then pairs, then single rows.
   static constexpr int kAccRows = W == 16 ? 4 : 6;
+  static constexpr int kRegisters = W == 16 ? 32 : 16;
   // Vectors of acc per block for R rows: as many independent FMA chains as the registers hold
-  // (each column's chain is the same whatever the block width, so any split gives the same bits).
+  // beside the block's values and its weight (each column's chain is the same whatever the block
+  // width, so any split gives the same bits). A single row takes its values as the FMAs' memory
+  // operands, so its eight hold no register.
   static constexpr int accumulate_columns(int rows) {
-    return rows == 1 ? 8 : rows * 4 > 16 ? 2 : 4;
+    if (rows == 1) return 8;
+    for (int c = 4; c > 1; c /= 2)
+      if (rows * c + c + 1 <= kRegisters) return c;
+    return 1;
   }
 
   // Keys per run for a single row wider than one column block (a decode step: each value row is
@@ -1504,6 +1517,10 @@ struct SimdTileOps {
     for (; i + kAccRows <= bq; i += kAccRows)
       accumulate_rows<kAccRows>(p + i * kKeyTile, bk, v, v_stride, dv, acc + i * acc_stride,
                                 acc_stride, pacing);
+    if constexpr (kAccRows > 4)
+      for (; i + 4 <= bq; i += 4)
+        accumulate_rows<4>(p + i * kKeyTile, bk, v, v_stride, dv, acc + i * acc_stride,
+                           acc_stride, pacing);
     for (; i + 2 <= bq; i += 2)
       accumulate_rows<2>(p + i * kKeyTile, bk, v, v_stride, dv, acc + i * acc_stride, acc_stride,
                          pacing);
