@@ -1178,12 +1178,16 @@ struct SimdTileOps {
   }
 
   // The key rows in place: rows in blocks of 6 x 2 keys, then 4 x 4 (AVX-512) or 4 x 2, then
-  // pairs in blocks of 2 x 4, a last odd row key by key (eight single products, then one
-  // reduce8; the query held in registers where d is 2, 4 or 8 steps): the same lanes and the
-  // same tree for every score, whatever its block. Six rows give 12 independent FMA chains,
-  // enough to fill both FMA pipes (2 keys + 1 query row + 12 accumulators fit AVX2's 16
-  // registers). A single row (a decode step, streaming its keys from memory) reads the keys one
-  // after the other, in address order, which is what the hardware prefetcher follows.
+  // pairs in blocks of 2 x 4, a last odd row in blocks of 1 x 8 keys (16-bit keys) or key by key
+  // (float keys: eight single products, then one reduce8), the query held in registers where d
+  // is 2, 4 or 8 steps: the same lanes and the same tree for every score, whatever its block.
+  // Six rows give 12 independent FMA chains, enough to fill both FMA pipes (2 keys + 1 query row
+  // + 12 accumulators fit AVX2's 16 registers). A single row is a decode step, streaming its
+  // keys from memory: float keys one after the other, in address order, which is what the
+  // hardware prefetcher follows; 16-bit keys, which the read prefetches itself from one row
+  // (KeyAxis::prefetch) and widens as they are loaded, eight at a time, eight FMA chains (one
+  // key's chain alone waits on the FMA latency at every step, and a loop over d keeps the
+  // processor from overlapping the next key's).
   template <class Q, class Pacing>
   static void scores_lanes(const Q* q, Index q_stride, Index bq, const E* const* keys,
                            Index d, float beta, float* s, Pacing pacing) {
@@ -1263,10 +1267,15 @@ struct SimdTileOps {
       }
       for (Index c = 0; c < kKeyTile; c += 8) {
         pacing.advance(2 * 8 * d);
-        const auto product = [&](int j) {
-          return V::fold_to_8(dot_products<1, 1>(row, q_stride, keys + c + j, d).at[0]);
-        };
-        _mm256_storeu_ps(out + c, _mm256_mul_ps(eight_sums(product), _mm256_set1_ps(beta)));
+        if constexpr (std::is_same_v<E, float>) {
+          const auto product = [&](int j) {
+            return V::fold_to_8(dot_products<1, 1>(row, q_stride, keys + c + j, d).at[0]);
+          };
+          _mm256_storeu_ps(out + c, _mm256_mul_ps(eight_sums(product), _mm256_set1_ps(beta)));
+        } else {
+          const auto acc = dot_products<1, 8>(row, q_stride, keys + c, d);
+          _mm256_storeu_ps(out + c, reduce_first8(acc, beta));
+        }
       }
     }
   }
