@@ -18,8 +18,9 @@
 //            ConstHeadsView<S> v, const HeadsView<S>* o, Stream
 //            [, const HeadsView<compute_t<S>>* lse]) const;   // lse where kHasLogSumExp
 //   static constexpr bool kHasLogSumExp;
-//   bool write_uses_beta() const;   // softmax mixers whose write reads (OVQ's delta rule)
-// and checks every argument in run() before anything is launched.
+// and checks every argument in run() before anything is launched. A mixer whose write reads
+// with beta (OVQ's delta rule) also hides the base's write_uses_beta() (false) behind its own,
+// so that the query heads of one key/value head must share their beta.
 #include <string>
 #include <vector>
 
