@@ -12,6 +12,7 @@
 //   OVQ_HAS_FMA                                       a fused multiply-add is one instruction
 //   OVQ_HAS_OPENMP                                    the consumer compiles with OpenMP
 //   OVQ_UNROLL                                        unroll the next (fixed-count) loop fully
+//   OVQ_DEVICE_UNROLL                                 the same, in the device pass only
 //
 // nvcc compiles a .cu file twice, once for the host and once for the device (__CUDA_ARCH__).
 // The host pass sees the host compiler's ISA macros (-Xcompiler -march=native defines
@@ -97,4 +98,13 @@
 #define OVQ_UNROLL _Pragma("GCC unroll 16")
 #else
 #define OVQ_UNROLL
+#endif
+
+// The CUDA kernels' loops over register fragments unroll in the device pass only. Their host
+// emulation (the tests) runs them as written: unrolled, an emulated warp-wide mma is larger than
+// a host compiler will unroll, and clang says so once per loop and instantiation.
+#if defined(OVQ_DEVICE_PASS)
+#define OVQ_DEVICE_UNROLL _Pragma("unroll")
+#else
+#define OVQ_DEVICE_UNROLL
 #endif

@@ -176,7 +176,7 @@ struct AssignProgram {
       if (r_begin < r_end) stage_centroids(t, p, s, r_begin, r_end, tiles, aligned);
       commit_async();
       Thread& me = th[t];
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int i = 0; i < kRPT; ++i) {
         me.best[i] = ArgBest<Scalar>{};
         me.first_nan[i] = false;
@@ -201,9 +201,9 @@ struct AssignProgram {
         Scalar dot[kRPT][kKPT];
         dot_block<kD>(xs + rg * kRPT * kStride, kStride, cs + kg * kStride, kGroups * kStride,
                       dot);
-        OVQ_UNROLL
+        OVQ_DEVICE_UNROLL
         for (int i = 0; i < kRPT; ++i)
-          OVQ_UNROLL
+          OVQ_DEVICE_UNROLL
           for (int j = 0; j < kKPT; ++j) {
             const Index r = r0 + kg + kGroups * j;
             if (r >= r_end) continue;
@@ -218,7 +218,7 @@ struct AssignProgram {
     block.each([&](int t) {
       Thread& me = th[t];
       const int kg = t % kGroups, rg = t / kGroups;
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int i = 0; i < kRPT; ++i) {
         const int row = rg * kRPT + i;
         part_score[row * kGroups + kg] = me.best[i].score;

@@ -88,7 +88,7 @@ OVQ_HOST_DEVICE inline void copy_piece_async(E* dst, const E* row, Index c, Inde
     copy16_async(dst, row + c);
     return;
   }
-  OVQ_UNROLL
+  OVQ_DEVICE_UNROLL
   for (int i = 0; i < kN; ++i) {
     if (row != nullptr && c + i < d) {
       copy_element_async(dst + i, row + c + i);
@@ -121,7 +121,7 @@ OVQ_HOST_DEVICE inline void load_vector(const S* src, S (&dst)[kN]) {
     const uint2 v = *reinterpret_cast<const uint2*>(src);
     std::memcpy(dst, &v, 8);
   } else {
-    OVQ_UNROLL
+    OVQ_DEVICE_UNROLL
     for (int i = 0; i < kN; ++i) dst[i] = src[i];
   }
 #else
@@ -136,21 +136,21 @@ template <int kD, int kA, int kB, class S>
 OVQ_HOST_DEVICE inline void dot_block(const S* a, int a_step, const S* b, int b_step,
                                       S (&dot)[kA][kB]) {
   constexpr int kVec = static_cast<int>(16 / sizeof(S));
-  OVQ_UNROLL
+  OVQ_DEVICE_UNROLL
   for (int i = 0; i < kA; ++i)
-    OVQ_UNROLL
+    OVQ_DEVICE_UNROLL
     for (int j = 0; j < kB; ++j) dot[i][j] = S(0);
   for (int c = 0; c < kD; c += kVec) {
     S x[kA][kVec], y[kB][kVec];
-    OVQ_UNROLL
+    OVQ_DEVICE_UNROLL
     for (int i = 0; i < kA; ++i) load_vector(a + i * a_step + c, x[i]);
-    OVQ_UNROLL
+    OVQ_DEVICE_UNROLL
     for (int j = 0; j < kB; ++j) load_vector(b + j * b_step + c, y[j]);
-    OVQ_UNROLL
+    OVQ_DEVICE_UNROLL
     for (int f = 0; f < kVec; ++f)
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int i = 0; i < kA; ++i)
-        OVQ_UNROLL
+        OVQ_DEVICE_UNROLL
         for (int j = 0; j < kB; ++j) dot[i][j] = std::fma(x[i][f], y[j][f], dot[i][j]);
   }
 }

@@ -110,13 +110,13 @@ struct DecodeReadProgram {
                                      sh + kK, kStride);
       commit_async();
       Thread& me = th[t];
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int i = 0; i < kScoreRows; ++i)
         me.beta[i] = p.beta_of(s, row_place(p, qt, tile, t / kTile + kRowSets * i).head);
       me.st = SoftmaxStats<Scalar>{};
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int i = 0; i < kOutRows; ++i)
-        OVQ_UNROLL
+        OVQ_DEVICE_UNROLL
         for (int c = 0; c < kCols; ++c) me.acc[i][c] = Scalar(0);
       wait_async<0>();
     });
@@ -143,7 +143,7 @@ struct DecodeReadProgram {
       const Thread& me = th[tid];
       const int j = tid % kTile;
       const Scalar* k = sh + kK + j * kStride;
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int i = 0; i < kScoreRows; ++i) {
         const int r = tid / kTile + kRowSets * i;
         if (r >= rows) break;
@@ -170,14 +170,14 @@ struct DecodeReadProgram {
       for (int j = 0; j < kTile; j += kVec) {
         Scalar x[kVec];
         load_vector(row + j, x);
-        OVQ_UNROLL
+        OVQ_DEVICE_UNROLL
         for (int f = 0; f < kVec; ++f)
           if (x[f] > tile_max) tile_max = x[f];
       }
       const Scalar m_new = me.st.m > tile_max ? me.st.m : tile_max;
       me.m_new = m_new;
       Scalar sum = Scalar(0);
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int j = 0; j < kKPT; ++j) {
         const Scalar e = ovq::detail::softmax_weight(row[g + kGroups * j], m_new);
         me.e[j] = e;
@@ -207,7 +207,7 @@ struct DecodeReadProgram {
           st.l = l_new;
           st.m = m_new;
         }
-        OVQ_UNROLL
+        OVQ_DEVICE_UNROLL
         for (int j = 0; j < kKPT; ++j)
           sh[kP + (g + kGroups * j) * kRows + r] = ovq::detail::mul_rn(me.e[j], inv);
         if (g == 0) sh[kKeep + r] = keep;
@@ -219,7 +219,7 @@ struct DecodeReadProgram {
     block.each([&](int tid) {
       Thread& me = th[tid];
       const int c0 = tid % kColThreads, r0 = tid / kColThreads;
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int i = 0; i < kOutRows; ++i) {
         const int r = r0 + kRowStride * i;
         if (r >= rows) break;
@@ -227,7 +227,7 @@ struct DecodeReadProgram {
         if (keep != Scalar(1)) {
           // keep = 0: the old rows vanish next to the new maximum (assigned, not multiplied,
           // so that an average that rounded to inf leaves no 0 * inf).
-          OVQ_UNROLL
+          OVQ_DEVICE_UNROLL
           for (int c = 0; c < kCols; ++c)
             me.acc[i][c] =
                 keep == Scalar(0) ? Scalar(0) : ovq::detail::mul_rn(me.acc[i][c], keep);
@@ -236,11 +236,11 @@ struct DecodeReadProgram {
       for (int j = 0; j < kTile; ++j) {
         const Scalar* v = sh + kV + j * kD + c0;
         const Scalar* w = sh + kP + j * kRows + r0;
-        OVQ_UNROLL
+        OVQ_DEVICE_UNROLL
         for (int i = 0; i < kOutRows; ++i) {
           if (r0 + kRowStride * i >= rows) break;
           const Scalar wi = w[kRowStride * i];
-          OVQ_UNROLL
+          OVQ_DEVICE_UNROLL
           for (int c = 0; c < kCols; ++c)
             me.acc[i][c] = std::fma(wi, v[kColThreads * c], me.acc[i][c]);
         }
@@ -265,12 +265,12 @@ struct DecodeReadProgram {
         out[kD + 1] = me.st.l;
       }
       const int c0 = tid % kColThreads, r0 = tid / kColThreads;
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int i = 0; i < kOutRows; ++i) {
         const int r = r0 + kRowStride * i;
         if (r >= rows) break;
         Scalar* out = partial(r);
-        OVQ_UNROLL
+        OVQ_DEVICE_UNROLL
         for (int c = 0; c < kCols; ++c) out[c0 + kColThreads * c] = me.acc[i][c];
       }
     });
@@ -370,19 +370,19 @@ struct TensorDecodeProgram {
                                      halves + kK, kStride);
       commit_async();
       Thread& me = th[t];
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int h = 0; h < 2; ++h) {
         me.beta[h] = p.beta_of(s, row_place(p, qt, tile, entry_row(t, 2 * h)).head);
         me.st[h] = SoftmaxStats<float>{};
       }
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int n = 0; n < kO; ++n)
-        OVQ_UNROLL
+        OVQ_DEVICE_UNROLL
         for (int i = 0; i < 4; ++i) me.o[n][i] = 0.0f;
       wait_async<0>();
     });
     block.each([&](int t) {
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int f = 0; f < kQSteps; ++f)
         th[t].q[f] = mma_ldmatrix_a(halves + kQ + 16 * f, kStride, t % 32);
     });
@@ -407,11 +407,11 @@ struct TensorDecodeProgram {
       Thread& me = th[tid];
       const int lane = tid % 32, warp0 = tid - lane, key0 = 16 * warp(tid);
       const Bits* k = halves + kK + key0 * kStride;
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int n = 0; n < kS; ++n)
-        OVQ_UNROLL
+        OVQ_DEVICE_UNROLL
         for (int i = 0; i < 4; ++i) me.s[n][i] = 0.0f;
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int f = 0; f < kQSteps; ++f) {
         const auto a = lane_fragments(lane, [&](int l) { return th[warp0 + l].q[f]; });
         const auto b = lane_fragments(
@@ -419,7 +419,7 @@ struct TensorDecodeProgram {
         mma<Bits>(lane, a, [&](int l) { return b(l).tile[0]; }, me.s[0]);
         mma<Bits>(lane, a, [&](int l) { return b(l).tile[1]; }, me.s[1]);
       }
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int h = 0; h < 2; ++h) {
         const int r = entry_row(tid, 2 * h);
         const TileWindow seen = seen_window(ext, axis, row_place(p, qt, tile, r), x0, kTile);
@@ -437,7 +437,7 @@ struct TensorDecodeProgram {
       commit_async();
       Thread& me = th[tid];
       const int key0 = 16 * warp(tid);
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int h = 0; h < 2; ++h) {
         const int r = entry_row(tid, 2 * h);
         float tile_max = -INFINITY;
@@ -447,9 +447,9 @@ struct TensorDecodeProgram {
         }
         const float m_new = me.st[h].m > tile_max ? me.st[h].m : tile_max;
         me.m_new[h] = m_new;
-        OVQ_UNROLL
+        OVQ_DEVICE_UNROLL
         for (int n = 0; n < 2; ++n)
-          OVQ_UNROLL
+          OVQ_DEVICE_UNROLL
           for (int e = 0; e < 2; ++e) {
             const float w = ovq::detail::softmax_weight(me.s[n][2 * h + e], m_new);
             halves[kP + r * kPStride + key0 + 8 * n + entry_col(tid, e)] = narrow_finite<Bits>(w);
@@ -463,9 +463,9 @@ struct TensorDecodeProgram {
         const int r = tid / 4, u = tid % 4;
         const Bits* w = halves + kP + r * kPStride + 2 * u;
         float sum = 0.0f;
-        OVQ_UNROLL
+        OVQ_DEVICE_UNROLL
         for (int n = 0; n < kTile / 8; ++n)
-          OVQ_UNROLL
+          OVQ_DEVICE_UNROLL
           for (int e = 0; e < 2; ++e) sum = sum + widen(w[8 * n + e]);
         floats[kRedSum + r * 4 + u] = sum;
       }
@@ -476,7 +476,7 @@ struct TensorDecodeProgram {
     block.each([&](int tid) {
       Thread& me = th[tid];
       const int lane = tid % 32;
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int h = 0; h < 2; ++h) {
         const int r = entry_row(tid, 2 * h);
         float sum = 0.0f;
@@ -484,12 +484,12 @@ struct TensorDecodeProgram {
         update_row(me.st[h], me.m_new[h], sum, me.o, h);
       }
       const int col0 = warp(tid) * (kD / kWarps);
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int j = 0; j < kPSteps; ++j) {
         const auto a = lane_fragments(
             lane, [&](int l) { return mma_ldmatrix_a(halves + kP + 16 * j, kPStride, l); });
         if constexpr (kO % 2 == 0) {
-          OVQ_UNROLL
+          OVQ_DEVICE_UNROLL
           for (int n = 0; n < kO; n += 2) {
             const Bits* v = halves + kV + 16 * j * kStride + col0 + 8 * n;
             const auto b =
@@ -498,7 +498,7 @@ struct TensorDecodeProgram {
             mma<Bits>(lane, a, [&](int l) { return b(l).tile[1]; }, me.o[n + 1]);
           }
         } else {
-          OVQ_UNROLL
+          OVQ_DEVICE_UNROLL
           for (int n = 0; n < kO; ++n) {
             const Bits* v = halves + kV + 16 * j * kStride + col0 + 8 * n;
             mma<Bits>(lane, a, [&](int l) { return mma_load_b(v, kStride, l); }, me.o[n]);
@@ -517,14 +517,14 @@ struct TensorDecodeProgram {
     block.each([&](int tid) {
       const Thread& me = th[tid];
       const int col0 = warp(tid) * (kD / kWarps);
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int h = 0; h < 2; ++h) {
         const Index r = entry_row(tid, 2 * h);
         float* out = p.partials + (((s * p.tiles + tile) * p.splits + z) * kRows + r) * (kD + 2);
         const SoftmaxStats<float>& st = me.st[h];
-        OVQ_UNROLL
+        OVQ_DEVICE_UNROLL
         for (int n = 0; n < kO; ++n)
-          OVQ_UNROLL
+          OVQ_DEVICE_UNROLL
           for (int e = 0; e < 2; ++e)
             out[col0 + 8 * n + entry_col(tid, e)] =
                 st.l > 0.0f ? me.o[n][2 * h + e] / st.l : 0.0f;

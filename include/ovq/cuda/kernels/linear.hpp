@@ -111,13 +111,13 @@ struct LinearReadProgram {
     block.each([&](int t) {
       const int r = t / kGroups, kg = t % kGroups;
       Thread& me = th[t];
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int c = 0; c < kCPT; ++c) me.acc[c] = Scalar(0);
       if (r >= rows) return;
       const Scalar* w = sh + kW + r * kStride;
       const Scalar* kv = p.kv.row(s, 0);
       for (Index k = 0; k < p.dk; ++k) {
-        OVQ_UNROLL
+        OVQ_DEVICE_UNROLL
         for (int c = 0; c < kCPT; ++c) {
           const Index col = kg + kGroups * c;
           if (col < p.dv) me.acc[c] = std::fma(w[k], kv[k * p.kv.row_stride + col], me.acc[c]);
@@ -162,7 +162,7 @@ struct LinearReadProgram {
         const Scalar* w = sh + kS + r * kTile;
         Thread& me = th[t];
         for (int j = 0; j < kTile; ++j) {
-          OVQ_UNROLL
+          OVQ_DEVICE_UNROLL
           for (int c = 0; c < kCPT; ++c)
             me.acc[c] = std::fma(w[j], sh[kV + j * kD + kg + kGroups * c], me.acc[c]);
         }
@@ -181,7 +181,7 @@ struct LinearReadProgram {
       Thread& me = th[t];
       Stored* out = p.o.row(h, r0 + r);
       const Scalar d = sh[kDen + r] + p.eps;
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int c = 0; c < kCPT; ++c) {
         const Index col = kg + kGroups * c;
         if (col >= p.dv) continue;

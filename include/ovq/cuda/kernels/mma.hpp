@@ -41,7 +41,7 @@ template <class Bits>
 OVQ_HOST_DEVICE MmaA mma_load_a(const Bits* a, int lda, int lane) {
   const int g = lane >> 2, u = lane & 3;
   MmaA f;
-  OVQ_UNROLL
+  OVQ_DEVICE_UNROLL
   for (int i = 0; i < 4; ++i) {
     const int row = g + ((i & 1) ? 8 : 0), col = 2 * u + ((i & 2) ? 8 : 0);
     const Bits* x = a + row * lda + col;
@@ -55,7 +55,7 @@ template <class Bits>
 OVQ_HOST_DEVICE MmaB mma_load_b_transposed(const Bits* bt, int ldb, int lane) {
   const int g = lane >> 2, u = lane & 3;
   MmaB f;
-  OVQ_UNROLL
+  OVQ_DEVICE_UNROLL
   for (int i = 0; i < 2; ++i) {
     const Bits* x = bt + g * ldb + 2 * u + (i ? 8 : 0);
     f.r[i] = pack_pair(x[0].bits, x[1].bits);
@@ -68,7 +68,7 @@ template <class Bits>
 OVQ_HOST_DEVICE MmaB mma_load_b(const Bits* b, int ldb, int lane) {
   const int g = lane >> 2, u = lane & 3;
   MmaB f;
-  OVQ_UNROLL
+  OVQ_DEVICE_UNROLL
   for (int i = 0; i < 2; ++i) {
     const int k = 2 * u + (i ? 8 : 0);
     f.r[i] = pack_pair(b[k * ldb + g].bits, b[(k + 1) * ldb + g].bits);

@@ -538,12 +538,12 @@ struct ReadProgram {
                                      sh + Traits::kK, Traits::kKStride);
       commit_async();
       Thread& me = th[t];
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int i = 0; i < kRPT; ++i) {
         me.beta[i] = p.beta_of(s, row_place(p, qt, tile, (t / kGroups) * kRPT + i).head);
         me.st[i] = SoftmaxStats<Scalar>{};
         me.st_tot[i] = SoftmaxStats<Scalar>{};
-        OVQ_UNROLL
+        OVQ_DEVICE_UNROLL
         for (int c = 0; c < kCPT; ++c) {
           me.acc[i][c] = Scalar(0);
           me.tot[i][c] = Scalar(0);
@@ -572,12 +572,12 @@ struct ReadProgram {
       Scalar dot[kRPT][kKPT];
       dot_block<kD>(sh + Traits::kQ + rg * kRPT * Traits::kQStride, Traits::kQStride,
                     sh + Traits::kK + kg * Traits::kKStride, kGroups * Traits::kKStride, dot);
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int i = 0; i < kRPT; ++i) {
         const int r = rg * kRPT + i;
         const TileWindow seen = seen_window(ext, axis, row_place(p, qt, tile, r), x0, kTile);
         Scalar largest = -Scalar(INFINITY);
-        OVQ_UNROLL
+        OVQ_DEVICE_UNROLL
         for (int j = 0; j < kKPT; ++j) {
           const int col = kg + kGroups * j;
           Scalar x = tile_logit(p, axis, biased, s, x0, col, dot[i][j], me.beta[i]);
@@ -597,7 +597,7 @@ struct ReadProgram {
       commit_async();
       Thread& me = th[tid];
       const int kg = tid % kGroups, rg = tid / kGroups;
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int i = 0; i < kRPT; ++i) {
         const int r = rg * kRPT + i;
         Scalar tile_max = -Scalar(INFINITY);
@@ -608,7 +608,7 @@ struct ReadProgram {
         const Scalar m_new = me.st[i].m > tile_max ? me.st[i].m : tile_max;
         me.m_new[i] = m_new;
         Scalar sum = Scalar(0);
-        OVQ_UNROLL
+        OVQ_DEVICE_UNROLL
         for (int j = 0; j < kKPT; ++j) {
           const Scalar e = ovq::detail::softmax_weight(me.s[i][j], m_new);
           me.s[i][j] = e;
@@ -622,7 +622,7 @@ struct ReadProgram {
     block.each([&](int tid) {
       Thread& me = th[tid];
       const int kg = tid % kGroups, rg = tid / kGroups;
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int i = 0; i < kRPT; ++i) {
         const int r = rg * kRPT + i;
         const Scalar m_new = me.m_new[i];
@@ -640,7 +640,7 @@ struct ReadProgram {
           if (keep != Scalar(1)) {
             // keep = 0: the old rows vanish next to the new maximum (assigned, not multiplied,
             // so that an average that rounded to inf leaves no 0 * inf).
-            OVQ_UNROLL
+            OVQ_DEVICE_UNROLL
             for (int c = 0; c < kCPT; ++c)
               me.acc[i][c] =
                   keep == Scalar(0) ? Scalar(0) : ovq::detail::mul_rn(me.acc[i][c], keep);
@@ -648,7 +648,7 @@ struct ReadProgram {
           st.l = l_new;
           st.m = m_new;
         }
-        OVQ_UNROLL
+        OVQ_DEVICE_UNROLL
         for (int j = 0; j < kKPT; ++j)
           sh[Traits::kP + (kg + kGroups * j) * Traits::kPStride + r] =
               ovq::detail::mul_rn(me.s[i][j], inv);
@@ -664,15 +664,15 @@ struct ReadProgram {
         const Scalar* v = sh + Traits::kV + j * kD + kg * kOutVec;
         const Scalar* w = sh + Traits::kP + j * Traits::kPStride + rg * kRPT;
         Scalar wj[kRPT];
-        OVQ_UNROLL
+        OVQ_DEVICE_UNROLL
         for (int i = 0; i < kRPT; ++i) wj[i] = w[i];
-        OVQ_UNROLL
+        OVQ_DEVICE_UNROLL
         for (int run = 0; run < kCPT / kOutVec; ++run) {
           Scalar vv[kOutVec];
           load_vector(v + run * kGroups * kOutVec, vv);
-          OVQ_UNROLL
+          OVQ_DEVICE_UNROLL
           for (int i = 0; i < kRPT; ++i)
-            OVQ_UNROLL
+            OVQ_DEVICE_UNROLL
             for (int e = 0; e < kOutVec; ++e)
               me.acc[i][run * kOutVec + e] = std::fma(wj[i], vv[e], me.acc[i][run * kOutVec + e]);
         }
@@ -686,10 +686,10 @@ struct ReadProgram {
   OVQ_HOST_DEVICE static void merge_block(Block& block, Th& th) {
     block.each([&](int tid) {
       Thread& me = th[tid];
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int i = 0; i < kRPT; ++i) {
         const MergeWeights<Scalar> w = merge_weights<ExactExp>(me.st_tot[i], me.st[i]);
-        OVQ_UNROLL
+        OVQ_DEVICE_UNROLL
         for (int c = 0; c < kCPT; ++c) {
           me.tot[i][c] = merge_entry<true>(w, me.tot[i][c], me.acc[i][c]);
           me.acc[i][c] = Scalar(0);
@@ -707,12 +707,12 @@ struct ReadProgram {
     block.each([&](int tid) {
       Thread& me = th[tid];
       const int kg = tid % kGroups, rg = tid / kGroups;
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int i = 0; i < kRPT; ++i) {
         const RowPlace rp = row_place(p, qt, tile, rg * kRPT + i);
         if (!rp.valid) continue;
         Scalar* out = p.o.row(s * p.group + rp.head, rp.position);
-        OVQ_UNROLL
+        OVQ_DEVICE_UNROLL
         for (int c = 0; c < kCPT; ++c) {
           const Index col = Traits::column(kg, c);
           if (col < p.dv) out[col] = output_entry<Scalar>(me.tot[i][c]);
@@ -730,11 +730,11 @@ struct ReadProgram {
     block.each([&](int tid) {
       Thread& me = th[tid];
       const int kg = tid % kGroups, rg = tid / kGroups;
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int i = 0; i < kRPT; ++i) {
         const Index r = rg * kRPT + i;
         Scalar* out = p.partials + (((s * p.tiles + tile) * p.splits + z) * kRows + r) * (kD + 2);
-        OVQ_UNROLL
+        OVQ_DEVICE_UNROLL
         for (int c = 0; c < kCPT; ++c) out[Traits::column(kg, c)] = me.acc[i][c];
         if (kg == 0) {
           out[kD] = me.st[i].m;
@@ -770,7 +770,7 @@ struct MergeProgram {
     const RowPlace rp = row_place(p, qt, tile, r);
     if (!rp.valid) return;
     Scalar o[kD / 16];
-    OVQ_UNROLL
+    OVQ_DEVICE_UNROLL
     for (int c = 0; c < kD / 16; ++c) o[c] = Scalar(0);
     SoftmaxStats<Scalar> st;
     for (int z = 0; z < p.splits; ++z) {
@@ -780,13 +780,13 @@ struct MergeProgram {
       b.m = load_coherent(part + kD);
       b.l = load_coherent(part + kD + 1);
       const MergeWeights<Scalar> w = merge_weights<ExactExp>(st, b);
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int c = 0; c < kD / 16; ++c)
         o[c] = merge_entry<true>(w, o[c], load_coherent(part + kg + 16 * c));
       st = w.stats;
     }
     Stored* out = p.o.row(s * p.group + rp.head, rp.position);
-    OVQ_UNROLL
+    OVQ_DEVICE_UNROLL
     for (int c = 0; c < kD / 16; ++c) {
       const Index col = kg + 16 * c;
       if (col < p.dv) out[col] = output_entry<Stored>(o[c]);

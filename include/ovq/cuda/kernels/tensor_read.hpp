@@ -91,9 +91,9 @@ OVQ_HOST_DEVICE float fragment_logits(const Params& p, const KeyAxisGeometry& ax
                                       float (&frag)[kS][4]) {
   const bool whole = seen.holds_all(key0, key0 + 8 * kS - 1);
   float largest = -INFINITY;
-  OVQ_UNROLL
+  OVQ_DEVICE_UNROLL
   for (int n = 0; n < kS; ++n)
-    OVQ_UNROLL
+    OVQ_DEVICE_UNROLL
     for (int e = 0; e < 2; ++e) {
       const int col = key0 + 8 * n + 2 * (lane & 3) + e;
       float x = tile_logit(p, axis, biased, s, x0, col, frag[n][2 * h + e], beta);
@@ -117,9 +117,9 @@ OVQ_HOST_DEVICE void update_row(SoftmaxStats<float>& st, float m_new, float sum,
     st.l = ovq::detail::mul_rn(st.l, alpha);
     // alpha = 0: the old rows vanish next to the new maximum (assigned, not multiplied, so that
     // a sum that rounded to inf leaves no 0 * inf).
-    OVQ_UNROLL
+    OVQ_DEVICE_UNROLL
     for (int n = 0; n < kO; ++n)
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int e = 0; e < 2; ++e)
         o[n][2 * h + e] = alpha == 0.0f ? 0.0f : ovq::detail::mul_rn(o[n][2 * h + e], alpha);
     st.m = m_new;
@@ -229,15 +229,15 @@ struct TensorReadProgram {
                                      sh.halves + Traits::kK, Traits::kStride);
       commit_async();
       Thread& me = th[t];
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int h = 0; h < 2; ++h) {
         me.beta[h] = p.beta_of(s, row_place(p, qt, tile, entry_row(t, 2 * h)).head);
         me.st[h] = SoftmaxStats<float>{};
         me.st_tot[h] = SoftmaxStats<float>{};
       }
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int n = 0; n < kO; ++n)
-        OVQ_UNROLL
+        OVQ_DEVICE_UNROLL
         for (int i = 0; i < 4; ++i) {
           me.o[n][i] = 0.0f;
           if (!split) sh.floats[Traits::kTot + entry_row(t, i) * kD + out_col(t, n, i)] = 0.0f;
@@ -247,7 +247,7 @@ struct TensorReadProgram {
     if constexpr (kRegisterFragments) {
       block.each([&](int t) {
         const Bits* q = sh.halves + Traits::kQ + row_base(t) * Traits::kStride;
-        OVQ_UNROLL
+        OVQ_DEVICE_UNROLL
         for (int f = 0; f < kQSteps; ++f)
           th[t].q[f] = mma_ldmatrix_a(q + 16 * f, Traits::kStride, t % 32);
       });
@@ -273,14 +273,14 @@ struct TensorReadProgram {
       Thread& me = th[tid];
       const int lane = tid % 32, r0 = row_base(tid), key0 = col_group(tid) * Traits::kWarpKeys;
       const int warp0 = tid - lane;
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int n = 0; n < kS; ++n)
-        OVQ_UNROLL
+        OVQ_DEVICE_UNROLL
         for (int i = 0; i < 4; ++i) me.s[n][i] = 0.0f;
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int n = 0; n < kS; n += 2) {
         const Bits* k = sh.halves + Traits::kK + (key0 + 8 * n) * Traits::kStride;
-        OVQ_UNROLL
+        OVQ_DEVICE_UNROLL
         for (int f = 0; f < kQSteps; ++f) {
           const auto a = lane_fragments(lane, [&](int l) {
             if constexpr (kRegisterFragments) {
@@ -297,7 +297,7 @@ struct TensorReadProgram {
           mma<Bits>(lane, a, [&](int l) { return b(l).tile[1]; }, me.s[n + 1]);
         }
       }
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int h = 0; h < 2; ++h) {
         const int r = entry_row(tid, 2 * h);
         const TileWindow seen = seen_window(ext, axis, row_place(p, qt, tile, r), x0, kTile);
@@ -317,7 +317,7 @@ struct TensorReadProgram {
       Thread& me = th[tid];
       const int key0 = col_group(tid) * Traits::kWarpKeys;
       std::uint32_t rounded[kS][2];  // row half h's two weights of column tile n, packed
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int h = 0; h < 2; ++h) {
         const int r = entry_row(tid, 2 * h);
         float tile_max = -INFINITY;
@@ -328,10 +328,10 @@ struct TensorReadProgram {
         const float m_new = me.st[h].m > tile_max ? me.st[h].m : tile_max;
         me.m_new[h] = m_new;
         float sum = 0.0f;
-        OVQ_UNROLL
+        OVQ_DEVICE_UNROLL
         for (int n = 0; n < kS; ++n) {
           float w[2];
-          OVQ_UNROLL
+          OVQ_DEVICE_UNROLL
           for (int e = 0; e < 2; ++e)
             w[e] = ovq::detail::softmax_weight(me.s[n][2 * h + e], m_new);
           rounded[n][h] = narrow_finite_pair<Bits>(w[0], w[1]);
@@ -342,15 +342,15 @@ struct TensorReadProgram {
       }
       if constexpr (kRegisterFragments) {
         // S tiles 2j and 2j + 1 are the two column halves of P's k-step j.
-        OVQ_UNROLL
+        OVQ_DEVICE_UNROLL
         for (int j = 0; j < kPSteps; ++j) {
           me.w[j] = MmaA{{rounded[2 * j][0], rounded[2 * j][1], rounded[2 * j + 1][0],
                           rounded[2 * j + 1][1]}};
         }
       } else {
-        OVQ_UNROLL
+        OVQ_DEVICE_UNROLL
         for (int n = 0; n < kS; ++n)
-          OVQ_UNROLL
+          OVQ_DEVICE_UNROLL
           for (int i = 0; i < 4; ++i)
             sh.halves[Traits::kP + entry_row(tid, i) * Traits::kPStride + key0 + 8 * n +
                       entry_col(tid, i)] = pair_half<Bits>(rounded[n][i / 2], i % 2);
@@ -362,14 +362,14 @@ struct TensorReadProgram {
     block.each([&](int tid) {
       Thread& me = th[tid];
       const int lane = tid % 32, r0 = row_base(tid), warp0 = tid - lane;
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int h = 0; h < 2; ++h) {
         const int r = entry_row(tid, 2 * h);
         float sum = 0.0f;
         for (int u = 0; u < kParts; ++u) sum = sum + sh.floats[Traits::kRedSum + r * kParts + u];
         update_row(me.st[h], me.m_new[h], sum, me.o, h);
       }
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int j = 0; j < kPSteps; ++j) {
         const auto a = lane_fragments(lane, [&](int l) {
           if constexpr (kRegisterFragments) {
@@ -379,7 +379,7 @@ struct TensorReadProgram {
                                   Traits::kPStride, l);
           }
         });
-        OVQ_UNROLL
+        OVQ_DEVICE_UNROLL
         for (int n = 0; n < kO; n += 2) {
           const Bits* v = sh.halves + Traits::kV + 16 * j * Traits::kStride +
                           col_group(tid) * Traits::kWarpCols + 8 * n;
@@ -405,12 +405,12 @@ struct TensorReadProgram {
   OVQ_HOST_DEVICE static void merge_block(Block& block, const Shared& sh, Th& th) {
     block.each([&](int tid) {
       Thread& me = th[tid];
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int h = 0; h < 2; ++h) {
         const MergeWeights<float> w = merge_weights<ExactExp>(me.st_tot[h], me.st[h]);
-        OVQ_UNROLL
+        OVQ_DEVICE_UNROLL
         for (int n = 0; n < kO; ++n)
-          OVQ_UNROLL
+          OVQ_DEVICE_UNROLL
           for (int e = 0; e < 2; ++e) {
             const int i = 2 * h + e;
             float& tot = sh.floats[Traits::kTot + entry_row(tid, i) * kD + out_col(tid, n, i)];
@@ -418,11 +418,11 @@ struct TensorReadProgram {
           }
         me.st_tot[h] = w.stats;
       }
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int h = 0; h < 2; ++h) me.st[h] = SoftmaxStats<float>{};
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int n = 0; n < kO; ++n)
-        OVQ_UNROLL
+        OVQ_DEVICE_UNROLL
         for (int i = 0; i < 4; ++i) me.o[n][i] = 0.0f;
     });
   }
@@ -433,15 +433,15 @@ struct TensorReadProgram {
                                     Index tile, Index s, const Shared& sh, Th& th) {
     block.each([&](int tid) {
       const Thread& me = th[tid];
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int i = 0; i < 4; i += 2) {
         const int r = entry_row(tid, i);
         const RowPlace rp = row_place(p, qt, tile, r);
         if (!rp.valid) continue;
         Bits* out = p.o.row(s * p.group + rp.head, rp.position);
-        OVQ_UNROLL
+        OVQ_DEVICE_UNROLL
         for (int n = 0; n < kO; ++n)
-          OVQ_UNROLL
+          OVQ_DEVICE_UNROLL
           for (int e = 0; e < 2; ++e) {
             const Index col = out_col(tid, n, e);
             if (col < p.dv)
@@ -459,13 +459,13 @@ struct TensorReadProgram {
                                             Index z, Th& th) {
     block.each([&](int tid) {
       Thread& me = th[tid];
-      OVQ_UNROLL
+      OVQ_DEVICE_UNROLL
       for (int h = 0; h < 2; ++h) {
         const Index r = entry_row(tid, 2 * h);
         float* out = p.partials + (((s * p.tiles + tile) * p.splits + z) * kRows + r) * (kD + 2);
-        OVQ_UNROLL
+        OVQ_DEVICE_UNROLL
         for (int n = 0; n < kO; ++n)
-          OVQ_UNROLL
+          OVQ_DEVICE_UNROLL
           for (int e = 0; e < 2; ++e)
             out[out_col(tid, n, e)] = average(me, n, 2 * h + e);
         if (partial_slot(tid) == 0) {
