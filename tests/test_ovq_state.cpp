@@ -7,10 +7,14 @@
 // Also: Growth::target against hand-computed values, 64-bit counts, reproducible random
 // seeding, the sliding-window KvCache, and the VQ state's counts and per-code mean values.
 #include <cmath>
+#include <algorithm>
 #include <cstdint>
+#include <fstream>
 #include <initializer_list>
 #include <limits>
 #include <random>
+#include <sstream>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -640,6 +644,78 @@ TEMPLATE_TEST_CASE("ovq state: the sliding-window KvCache keeps exactly the last
   CHECK(st.size() == 12);
   CHECK(ovq::as_eigen(st.keys()) == k);
   CHECK(ovq::as_eigen(st.values()) == v);
+}
+
+// The flags Linux gives the mapping that holds `p` ("hg": advised to use huge pages), from
+// /proc/self/smaps; empty where there is no such file.
+std::string mapping_flags(const void* p) {
+  std::ifstream smaps("/proc/self/smaps");
+  const auto at = reinterpret_cast<std::uintptr_t>(p);
+  bool inside = false;
+  for (std::string line; std::getline(smaps, line);) {
+    unsigned long long first = 0, last = 0;
+    char dash = 0;
+    std::istringstream fields(line);
+    if (line.find(':') > line.find('-') && (fields >> std::hex >> first >> dash >> last) &&
+        dash == '-') {
+      inside = first <= at && at < last;
+    } else if (inside && line.rfind("VmFlags:", 0) == 0) {
+      return line;
+    }
+  }
+  return {};
+}
+
+TEST_CASE("ovq state: a long KvCache keeps its rows in huge-page buffers, a short one in "
+          "cache lines",
+          "[ovq][state]") {
+  using Buffer = ovq::RowBuffer<float>;
+  // 10 x 16 floats: 640 bytes on a cache line; 5,000 x 128 floats (2.4 MiB): whole 2 MiB pages.
+  const Buffer small(10, 16);
+  CHECK_FALSE(small.huge());
+  CHECK(reinterpret_cast<std::uintptr_t>(small.data()) % Buffer::kCacheLine == 0);
+  Buffer big(5000, 128);
+  REQUIRE(big.huge());
+  CHECK(reinterpret_cast<std::uintptr_t>(big.data()) % Buffer::kHugePage == 0);
+  for (Index i = 0; i < 5000 * 128; ++i) big.data()[i] = static_cast<float>(i);
+  // Resized, copied, moved: the rows asked for are kept, bit for bit.
+  const Buffer grown = big.resized(8000, 5000);
+  CHECK(grown.rows() == 8000);
+  CHECK(std::equal(big.data(), big.data() + 5000 * 128, grown.data()));
+  const Buffer shrunk = big.resized(3, 2);
+  CHECK_FALSE(shrunk.huge());
+  CHECK(std::equal(big.data(), big.data() + 2 * 128, shrunk.data()));
+  Buffer copy(big);
+  CHECK(copy.huge());
+  CHECK(std::equal(big.data(), big.data() + 5000 * 128, copy.data()));
+  const float* held = copy.data();
+  const Buffer moved(std::move(copy));
+  CHECK(moved.data() == held);
+  CHECK(copy.data() == nullptr);  // NOLINT(bugprone-use-after-move): moved from, empty
+  CHECK(copy.rows() == 0);        // NOLINT(bugprone-use-after-move)
+#if defined(OVQ_HAS_HUGE_PAGE_ADVICE)
+  // Where the kernel has transparent huge pages, the buffer's pages carry the advice.
+  if (std::ifstream("/sys/kernel/mm/transparent_hugepage/enabled").good()) {
+    CHECK(mapping_flags(big.data()).find(" hg") != std::string::npos);
+    CHECK(mapping_flags(grown.data()).find(" hg") != std::string::npos);
+  }
+#endif
+
+  // A cache that grows past 2 MiB (4,500 rows: 5,192 allocated, 2.5 MiB a side) moves to such a
+  // buffer and keeps its rows in order.
+  const Mat<float> k = ovq::test::random_matrix<float>(4500, 128, 311);
+  const Mat<float> v = ovq::test::random_matrix<float>(4500, 128, 312);
+  const ovq::SelfAttention<float> mixer{};
+  auto st = mixer.make_state(128, 128);
+  for (Index seen = 0; seen < 4500; seen += 500)
+    mixer.absorb(st, Mat<float>(k.middleRows(seen, 500)), Mat<float>(v.middleRows(seen, 500)));
+  REQUIRE(st.size() == 4500);
+  CHECK(reinterpret_cast<std::uintptr_t>(st.keys().data) % Buffer::kHugePage == 0);
+  CHECK(reinterpret_cast<std::uintptr_t>(st.values().data) % Buffer::kHugePage == 0);
+  CHECK(ovq::as_eigen(st.keys()) == k);
+  CHECK(ovq::as_eigen(st.values()) == v);
+  const auto copied = st;
+  CHECK(copied == st);
 }
 
 TEMPLATE_TEST_CASE("ovq state: VQ counts sum to the tokens of complete chunks and values are "

@@ -11,6 +11,8 @@
 //   OVQ_DEVICE_PASS                                   nvcc is compiling for the GPU
 //   OVQ_HAS_FMA                                       a fused multiply-add is one instruction
 //   OVQ_HAS_OPENMP                                    the consumer compiles with OpenMP
+//   OVQ_HAS_HUGE_PAGE_ADVICE                          madvise(MADV_HUGEPAGE) (Linux)
+//   OVQ_NO_HUGE_PAGES                                 define to leave large buffers on small pages
 //   OVQ_UNROLL                                        unroll the next (fixed-count) loop fully
 //   OVQ_DEVICE_UNROLL                                 the same, in the device pass only
 //
@@ -51,6 +53,12 @@
 // Every GPU has fused multiply-adds; a host has them where the compiler targets FMA.
 #if defined(OVQ_DEVICE_PASS) || defined(__FMA__)
 #define OVQ_HAS_FMA 1
+#endif
+
+// Large state buffers ask Linux for transparent huge pages (core/row_buffer.hpp); define
+// OVQ_NO_HUGE_PAGES to keep ordinary pages.
+#if defined(__linux__) && !defined(OVQ_NO_HUGE_PAGES)
+#define OVQ_HAS_HUGE_PAGE_ADVICE 1
 #endif
 
 #if defined(__CUDACC__)

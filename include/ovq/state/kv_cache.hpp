@@ -6,11 +6,14 @@
 // fused read. Memory: rows (dk + dv) scalars, growing with the stream unless windowed; a
 // windowed cache allocates a quarter more than its rows (plus 16), so that dropping its oldest
 // rows moves the kept ones only once per that many appended rows (amortised O(dk + dv) per
-// token, not O(W (dk + dv))).
+// token, not O(W (dk + dv))). Its rows live in RowBuffers: a long cache on huge pages, which a
+// decode step streams with fewer TLB misses (core/row_buffer.hpp).
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 
 #include "ovq/core/checks.hpp"
+#include "ovq/core/row_buffer.hpp"
 #include "ovq/core/types.hpp"
 
 namespace ovq {
@@ -32,8 +35,8 @@ class KvCache {
     detail::check_positive("KvCache", "dv", dv);
     detail::require(keep_rows >= kKeepAll, "KvCache", "keep_rows = ", keep_rows,
                     ", expected >= 0 or kKeepAll");
-    keys_.resize(0, dk);
-    values_.resize(0, dv);
+    keys_ = RowBuffer<Scalar>(dk);
+    values_ = RowBuffer<Scalar>(dv);
   }
 
   Index key_dim() const { return dk_; }
@@ -79,8 +82,8 @@ class KvCache {
     }
     make_room(n - first);
     for (Index i = first; i < n; ++i, ++size_) {
-      std::copy(k.row(i), k.row(i) + dk_, keys_.row(begin_ + size_).data());
-      std::copy(v.row(i), v.row(i) + dv_, values_.row(begin_ + size_).data());
+      std::copy(k.row(i), k.row(i) + dk_, keys_.row(begin_ + size_));
+      std::copy(v.row(i), v.row(i) + dv_, values_.row(begin_ + size_));
     }
   }
 
@@ -124,9 +127,11 @@ class KvCache {
                 values_.data());
       begin_ = 0;
     }
-    if (capacity != keys_.rows()) {  // keeps rows [0, size)
-      keys_.conservativeResize(capacity, dk_);
-      values_.conservativeResize(capacity, dv_);
+    if (capacity != keys_.rows()) {  // keeps rows [0, size); both allocated before either moves
+      RowBuffer<Scalar> keys = keys_.resized(capacity, size_);
+      RowBuffer<Scalar> values = values_.resized(capacity, size_);
+      keys_ = std::move(keys);
+      values_ = std::move(values);
     }
   }
 
@@ -136,8 +141,8 @@ class KvCache {
   Index begin_ = 0;  // the first row in use
   Index size_ = 0;
   std::int64_t tokens_ = 0;
-  RowMatrix<Scalar> keys_;    // capacity x dk, rows [begin, begin + size) in use
-  RowMatrix<Scalar> values_;  // capacity x dv
+  RowBuffer<Scalar> keys_;    // capacity x dk, rows [begin, begin + size) in use
+  RowBuffer<Scalar> values_;  // capacity x dv
 };
 
 }  // namespace ovq
