@@ -330,8 +330,9 @@ inline void BM_Peak_sgemm(benchmark::State& st) {
 //                      and all in registers): the arithmetic ceiling of every float kernel
 //   BM_Peak_bf16dot    AVX512-BF16 pair dot products (vdpbf16ps, 32 multiply-adds a vector) in
 //                      the same chains, where the CPU has them: the ceiling of bf16 scores
-//   BM_Peak_read       reading a buffer far larger than the caches (1 GiB), every thread its
-//                      share, summing it: the ceiling of a decode step, which streams its state
+//   BM_Peak_read       reading a buffer far larger than the caches (1 GiB, on huge pages like a
+//                      KV cache), every thread its share, summing it: the ceiling of a decode
+//                      step, which streams its state
 // Like BM_Peak_sgemm, each runs first and last, and a case divides by the best so far on its
 // thread count (frac_peak, frac_bf16_peak, frac_bandwidth in report()).
 
@@ -440,8 +441,13 @@ inline void BM_Peak_bf16dot(benchmark::State& st) {
 
 // 1 GiB of floats, touched before timing; every thread sums its contiguous share.
 inline void BM_Peak_read(benchmark::State& st) {
-  static std::vector<float> buffer(std::size_t(1) << 28, 1.0f);
-  const Index n = static_cast<Index>(buffer.size());
+  // On huge pages, as the KV caches the decode cases stream (core/row_buffer.hpp).
+  static const ovq::RowBuffer<float> buffer = [] {
+    ovq::RowBuffer<float> b(Index(1) << 22, 64);
+    std::fill(b.data(), b.data() + b.rows() * b.cols(), 1.0f);
+    return b;
+  }();
+  const Index n = buffer.rows() * buffer.cols();
   auto read_all = [&] {
     double total = 0.0;
 #if defined(OVQ_HAS_OPENMP)
