@@ -97,7 +97,7 @@ class RowBuffer {
     data_ = static_cast<T*>(p);
   }
   void release() {
-    if (data_ != nullptr) ::operator delete(data_, bytes_, std::align_val_t{alignment_});
+    if (data_ != nullptr) ::operator delete(data_, std::align_val_t{alignment_});
     data_ = nullptr;
   }
   void swap(RowBuffer& other) noexcept {
