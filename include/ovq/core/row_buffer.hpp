@@ -9,7 +9,6 @@
 // the whole cache, then takes a TLB miss every 4 KiB and the hardware prefetchers stop at every
 // 4 KiB boundary. The advice costs nothing where THP is off or "always"; the kernel may still
 // decline it. Smaller buffers are aligned to a cache line. OVQ_NO_HUGE_PAGES turns the advice off.
-#include <algorithm>
 #include <cstddef>
 #include <cstring>
 #include <new>
@@ -40,7 +39,7 @@ class RowBuffer {
 
   RowBuffer(const RowBuffer& other) : cols_(other.cols_) {
     allocate(other.rows_);
-    if (bytes_ > 0) std::memcpy(data_, other.data_, other.used_bytes());
+    if (data_ != nullptr) std::memcpy(data_, other.data_, other.used_bytes());
   }
   // Into the buffer already held when it is the same size (as Eigen's matrices do): a state put
   // back to a saved copy over and over keeps its pages, faulted in once.
@@ -88,11 +87,11 @@ class RowBuffer {
     rows_ = rows;
     if (wanted == 0) return;
     alignment_ = wanted >= kHugePage ? kHugePage : kCacheLine;
-    bytes_ = (wanted + alignment_ - 1) / alignment_ * alignment_;
-    void* p = ::operator new(bytes_, std::align_val_t{alignment_});
+    const std::size_t bytes = (wanted + alignment_ - 1) / alignment_ * alignment_;
+    void* p = ::operator new(bytes, std::align_val_t{alignment_});
 #if defined(OVQ_HAS_HUGE_PAGE_ADVICE)
     // Advice only: a kernel without THP refuses it, and the buffer works the same.
-    if (huge()) (void)::madvise(p, bytes_, MADV_HUGEPAGE);
+    if (huge()) (void)::madvise(p, bytes, MADV_HUGEPAGE);
 #endif
     data_ = static_cast<T*>(p);
   }
@@ -104,14 +103,12 @@ class RowBuffer {
     std::swap(data_, other.data_);
     std::swap(rows_, other.rows_);
     std::swap(cols_, other.cols_);
-    std::swap(bytes_, other.bytes_);
     std::swap(alignment_, other.alignment_);
   }
 
   T* data_ = nullptr;
   Index rows_ = 0;
   Index cols_ = 0;
-  std::size_t bytes_ = 0;  // allocated: rows x cols elements rounded up to the alignment
   std::size_t alignment_ = kCacheLine;
 };
 
