@@ -670,7 +670,7 @@ TEST_CASE("ovq state: a long KvCache keeps its rows in huge-page buffers, a shor
           "cache lines",
           "[ovq][state]") {
   using Buffer = ovq::RowBuffer<float>;
-  // 10 x 16 floats: 640 bytes on a cache line; 5,000 x 128 floats (2.4 MiB): whole 2 MiB pages.
+  // 10 x 16 floats: 640 bytes on a cache line; 5,000 x 128 floats (2.4 MiB): on a 2 MiB page.
   const Buffer small(10, 16);
   CHECK_FALSE(small.huge());
   CHECK(reinterpret_cast<std::uintptr_t>(small.data()) % Buffer::kCacheLine == 0);
@@ -716,6 +716,68 @@ TEST_CASE("ovq state: a long KvCache keeps its rows in huge-page buffers, a shor
   CHECK(ovq::as_eigen(st.values()) == v);
   const auto copied = st;
   CHECK(copied == st);
+
+  // A size past what memory can address is refused before anything is allocated.
+  const Index huge_rows = std::numeric_limits<Index>::max() / 64;
+  CHECK_THROWS_AS(Buffer(huge_rows, 64), std::bad_alloc);
+  CHECK_THROWS_AS(Buffer(-1, 64), std::bad_alloc);
+}
+
+TEMPLATE_TEST_CASE("ovq state: a dictionary keeps its rows and means in one allocation, on huge "
+                   "pages from 2 MiB",
+                   "[ovq][state]", float, ovq::bf16) {
+  using E = TestType;
+  using C = ovq::compute_t<E>;
+  const auto at = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p); };
+  constexpr std::uintptr_t kHuge = ovq::RowBuffer<float>::kHugePage;
+  // N = 2048, d = 128: 2 MiB of float rows (one huge page), or 1 MiB of bf16 rows and 2 MiB of
+  // float means (the rows and the mean keys on the first huge page).
+  ovq::Dictionary<E> dict(2048, 128, 128);
+  const auto rows = dict.rows();
+  CHECK(at(rows.keys.data) % kHuge == 0);
+  CHECK(rows.values.data == rows.keys.data + 2048 * 128);
+  CHECK(rows.mean_values.data == rows.mean_keys.data + 2048 * 128);
+  if constexpr (std::is_same_v<E, float>) {
+    CHECK(static_cast<const void*>(rows.mean_keys.data) == rows.keys.data);
+  } else {
+    CHECK(at(rows.mean_keys.data) == at(rows.values.data + 2048 * 128));
+    CHECK(at(rows.mean_keys.data + 2048 * 128) <= at(rows.keys.data) + kHuge);
+  }
+#if defined(OVQ_HAS_HUGE_PAGE_ADVICE)
+  if (std::ifstream("/sys/kernel/mm/transparent_hugepage/enabled").good())
+    CHECK(mapping_flags(rows.keys.data).find(" hg") != std::string::npos);
+#endif
+  // Rows and means written through every accessor read back as written, copies included.
+  const Mat<float> k = ovq::test::random_matrix<float>(3, 128, 321);
+  const Mat<float> v = ovq::test::random_matrix<float>(3, 128, 322);
+  for (Index r = 0; r < 3; ++r) {
+    const Mat<E> kr = k.row(r).cast<E>(), vr = v.row(r).cast<E>();
+    dict.push(kr.data(), vr.data(), r + 1);
+  }
+  const std::vector<C> mk(128, C(0.25)), mv(128, C(-0.5));
+  dict.push_means(mk.data(), mv.data(), 7);
+  REQUIRE(dict.size() == 4);
+  for (Index r = 0; r < 3; ++r) {
+    CHECK(ovq::as_eigen(dict.keys()).row(r) == k.row(r).cast<E>());
+    CHECK(ovq::as_eigen(dict.values()).row(r) == v.row(r).cast<E>());
+    CHECK(ovq::as_eigen(dict.mean_keys()).row(r) == k.row(r).cast<E>().template cast<C>());
+    CHECK(ovq::as_eigen(dict.mean_values()).row(r) == v.row(r).cast<E>().template cast<C>());
+    CHECK(dict.count(r) == r + 1);
+  }
+  CHECK(ovq::as_eigen(dict.keys()).row(3).template cast<C>().cwiseEqual(C(0.25)).all());
+  CHECK(ovq::as_eigen(dict.values()).row(3).template cast<C>().cwiseEqual(C(-0.5)).all());
+  const ovq::Dictionary<E> copy = dict;
+  CHECK(copy == dict);
+  CHECK(copy.keys().data != dict.keys().data);
+
+  // Small and odd shapes: the means start on a cache line past the rows.
+  ovq::Dictionary<E> odd(3, 5, 1);
+  const auto odd_rows = odd.rows();
+  CHECK(at(odd_rows.keys.data) % 64 == 0);
+  CHECK(at(odd_rows.mean_keys.data) % alignof(C) == 0);
+  CHECK(as_eigen(odd.mean_keys()).size() == 0);
+  CHECK_THROWS_AS(ovq::Dictionary<E>(std::numeric_limits<Index>::max() / 8, 128, 128),
+                  std::bad_alloc);
 }
 
 TEMPLATE_TEST_CASE("ovq state: VQ counts sum to the tokens of complete chunks and values are "

@@ -1,16 +1,19 @@
 #pragma once
-// Owned storage of a state that grows long (a KV cache): `rows` rows of `cols` elements, row i at
-// data() + i * cols, the contents of rows never written left undefined (as Eigen's
+// Owned storage of a state's rows (a KV cache, a dictionary): `rows` rows of `cols` elements, row
+// i at data() + i * cols, the contents of rows never written left undefined (as Eigen's
 // conservativeResize leaves them).
 //
-// A buffer of 2 MiB or more starts on a 2 MiB boundary, spans whole 2 MiB pages and, on Linux, is
-// marked for transparent huge pages (madvise MADV_HUGEPAGE). Where THP is set to "madvise" (a
-// common default), memory that does not ask gets 4 KiB pages, and a decode step, which streams
-// the whole cache, then takes a TLB miss every 4 KiB and the hardware prefetchers stop at every
-// 4 KiB boundary. The advice costs nothing where THP is off or "always"; the kernel may still
-// decline it. Smaller buffers are aligned to a cache line. OVQ_NO_HUGE_PAGES turns the advice off.
+// A buffer of 2 MiB or more starts on a 2 MiB boundary and, on Linux, is marked for transparent
+// huge pages (madvise MADV_HUGEPAGE): its whole 2 MiB pages can be huge ones, and a tail past
+// the last whole page keeps small pages (rounding it up would add up to 2 MiB of memory). Where
+// THP is set to "madvise" (a common default), memory that does not ask gets 4 KiB pages, and a
+// decode step, which streams the whole cache, then takes a TLB miss every 4 KiB and the hardware
+// prefetchers stop at every 4 KiB boundary. The advice costs nothing where THP is off or
+// "always"; the kernel may still decline it. Smaller buffers are aligned to a cache line.
+// OVQ_NO_HUGE_PAGES turns the advice off.
 #include <cstddef>
 #include <cstring>
+#include <limits>
 #include <new>
 #include <type_traits>
 #include <utility>
@@ -82,16 +85,21 @@ class RowBuffer {
  private:
   std::size_t used_bytes() const { return static_cast<std::size_t>(rows_ * cols_) * sizeof(T); }
 
+  // Throws std::bad_alloc (as Eigen does) for a size past what a pointer can address.
   void allocate(Index rows) {
+    if (rows < 0 || cols_ < 0 ||
+        (cols_ > 0 && static_cast<std::size_t>(rows) >
+                          (std::numeric_limits<std::size_t>::max() / 2 - kHugePage) /
+                              sizeof(T) / static_cast<std::size_t>(cols_)))
+      throw std::bad_alloc();
     const std::size_t wanted = static_cast<std::size_t>(rows * cols_) * sizeof(T);
     rows_ = rows;
     if (wanted == 0) return;
     alignment_ = wanted >= kHugePage ? kHugePage : kCacheLine;
-    const std::size_t bytes = (wanted + alignment_ - 1) / alignment_ * alignment_;
-    void* p = ::operator new(bytes, std::align_val_t{alignment_});
+    void* p = ::operator new(wanted, std::align_val_t{alignment_});
 #if defined(OVQ_HAS_HUGE_PAGE_ADVICE)
     // Advice only: a kernel without THP refuses it, and the buffer works the same.
-    if (huge()) (void)::madvise(p, bytes, MADV_HUGEPAGE);
+    if (huge()) (void)::madvise(p, wanted, MADV_HUGEPAGE);
 #endif
     data_ = static_cast<T*>(p);
   }

@@ -8,13 +8,20 @@
 // elements also keeps the rows' running means in float (state/dictionary_rows.hpp).
 // Memory: capacity (dk + dv) elements (+ capacity (dk + dv) floats for 16-bit elements) +
 // capacity log counts and counts, fixed at construction.
+//
+// The rows live in one allocation: D_k's capacity rows, D_v's, then (16-bit elements) the float
+// means of both. A decode step streams D_k and D_v whole, and a write the mean keys; from 2 MiB
+// the allocation is on huge pages (core/row_buffer.hpp), which one dictionary of N = 2048,
+// d = 128 fills in float, and whose first page holds a bf16 one's rows and its mean keys.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <new>
 #include <vector>
 
 #include "ovq/core/checks.hpp"
+#include "ovq/core/row_buffer.hpp"
 #include "ovq/core/types.hpp"
 #include "ovq/state/dictionary_rows.hpp"
 
@@ -32,29 +39,27 @@ class Dictionary {
 
   Dictionary() = default;
   Dictionary(Index capacity, Index dk, Index dv)
-      : keys_(detail::positive("Dictionary", "capacity", capacity),
-              detail::positive("Dictionary", "dk", dk)),
-        values_(capacity, detail::positive("Dictionary", "dv", dv)),
+      : capacity_(detail::positive("Dictionary", "capacity", capacity)),
+        dk_(detail::positive("Dictionary", "dk", dk)),
+        dv_(detail::positive("Dictionary", "dv", dv)),
+        storage_(1, storage_bytes(capacity, dk, dv)),
         counts_(static_cast<std::size_t>(capacity), 0),
         log_counts_(static_cast<std::size_t>(capacity), kNegInf) {
-    keys_.setZero();
-    values_.setZero();
-    if constexpr (kSeparateMeans) {
-      mean_keys_ = RowMatrix<Compute>::Zero(capacity, dk);
-      mean_values_ = RowMatrix<Compute>::Zero(capacity, dv);
-    }
+    std::fill(keys_data(), keys_data() + capacity * (dk + dv), Element(0));
+    if constexpr (kSeparateMeans)
+      std::fill(mean_keys_data(), mean_keys_data() + capacity * (dk + dv), Compute(0));
   }
 
-  Index capacity() const { return keys_.rows(); }
+  Index capacity() const { return capacity_; }
   Index size() const { return size_; }
   bool full() const { return size_ == capacity(); }
-  Index key_dim() const { return keys_.cols(); }
-  Index value_dim() const { return values_.cols(); }
+  Index key_dim() const { return dk_; }
+  Index value_dim() const { return dv_; }
 
   // The active rows as the reads see them.
-  ConstRowsView<Element> keys() const { return {keys_.data(), size_, key_dim(), key_dim()}; }
+  ConstRowsView<Element> keys() const { return {keys_data(), size_, key_dim(), key_dim()}; }
   ConstRowsView<Element> values() const {
-    return {values_.data(), size_, value_dim(), value_dim()};
+    return {values_data(), size_, value_dim(), value_dim()};
   }
   // The active rows' running means (the same rows as keys() and values() for float and double).
   ConstRowsView<Compute> mean_keys() const {
@@ -89,8 +94,8 @@ class Dictionary {
   // Every row, active or not, as plain views: what the write phases work on. Rows they open
   // become active through set_size().
   DictionaryRows<Element> rows() {
-    return {{keys_.data(), capacity(), key_dim(), key_dim()},
-            {values_.data(), capacity(), value_dim(), value_dim()},
+    return {{keys_data(), capacity(), key_dim(), key_dim()},
+            {values_data(), capacity(), value_dim(), value_dim()},
             {mean_keys_data(), capacity(), key_dim(), key_dim()},
             {mean_values_data(), capacity(), value_dim(), value_dim()},
             counts_.data(),
@@ -106,11 +111,13 @@ class Dictionary {
   // Opens row n with the given key and value (its mean: the same, widened) and a count.
   void push(const Element* k, const Element* v, std::int64_t count = 0) {
     const Index r = open(count);
-    std::copy(k, k + key_dim(), keys_.row(r).data());
-    std::copy(v, v + value_dim(), values_.row(r).data());
+    std::copy(k, k + key_dim(), keys_data() + r * key_dim());
+    std::copy(v, v + value_dim(), values_data() + r * value_dim());
     if constexpr (kSeparateMeans) {
-      for (Index c = 0; c < key_dim(); ++c) mean_keys_(r, c) = widen(k[c]);
-      for (Index c = 0; c < value_dim(); ++c) mean_values_(r, c) = widen(v[c]);
+      Compute* mk = mean_keys_data() + r * key_dim();
+      Compute* mv = mean_values_data() + r * value_dim();
+      for (Index c = 0; c < key_dim(); ++c) mk[c] = widen(k[c]);
+      for (Index c = 0; c < value_dim(); ++c) mv[c] = widen(v[c]);
     }
   }
   // Opens row n with the given running means (the read rows: the means rounded) and a count.
@@ -123,8 +130,12 @@ class Dictionary {
   // Row r as the reads see it, from its mean (nothing to do when they are the same rows).
   void publish(Index r) {
     if constexpr (kSeparateMeans) {
-      for (Index c = 0; c < key_dim(); ++c) keys_(r, c) = narrow<Element>(mean_keys_(r, c));
-      for (Index c = 0; c < value_dim(); ++c) values_(r, c) = narrow<Element>(mean_values_(r, c));
+      const Compute* mk = mean_keys_data() + r * key_dim();
+      const Compute* mv = mean_values_data() + r * value_dim();
+      Element* k = keys_data() + r * key_dim();
+      Element* v = values_data() + r * value_dim();
+      for (Index c = 0; c < key_dim(); ++c) k[c] = narrow<Element>(mk[c]);
+      for (Index c = 0; c < value_dim(); ++c) v[c] = narrow<Element>(mv[c]);
     }
   }
 
@@ -164,23 +175,45 @@ class Dictionary {
     set_count(r, count);
     return r;
   }
+  // Where the means start (16-bit elements): past the rows, on a cache line.
+  static Index means_offset(Index capacity, Index dk, Index dv) {
+    const Index row_bytes = capacity * (dk + dv) * Index(sizeof(Element));
+    return (row_bytes + 63) / 64 * 64;
+  }
+  // Throws std::bad_alloc (as an Eigen matrix of that size would) past what memory can address.
+  static Index storage_bytes(Index capacity, Index dk, Index dv) {
+    const Index per_row = Index(sizeof(Element)) + (kSeparateMeans ? Index(sizeof(Compute)) : 0);
+    if (capacity > std::numeric_limits<Index>::max() / 4 / (dk + dv) / per_row)
+      throw std::bad_alloc();
+    if constexpr (kSeparateMeans)
+      return means_offset(capacity, dk, dv) + capacity * (dk + dv) * Index(sizeof(Compute));
+    return capacity * (dk + dv) * Index(sizeof(Element));
+  }
+  Element* keys_data() { return reinterpret_cast<Element*>(storage_.data()); }
+  const Element* keys_data() const { return reinterpret_cast<const Element*>(storage_.data()); }
+  Element* values_data() { return keys_data() + capacity_ * dk_; }
+  const Element* values_data() const { return keys_data() + capacity_ * dk_; }
   Compute* mean_keys_data() {
-    if constexpr (kSeparateMeans) return mean_keys_.data(); else return keys_.data();
+    if constexpr (kSeparateMeans) {
+      return reinterpret_cast<Compute*>(storage_.data() + means_offset(capacity_, dk_, dv_));
+    } else {
+      return keys_data();
+    }
   }
   const Compute* mean_keys_data() const {
-    if constexpr (kSeparateMeans) return mean_keys_.data(); else return keys_.data();
+    if constexpr (kSeparateMeans) {
+      return reinterpret_cast<const Compute*>(storage_.data() + means_offset(capacity_, dk_, dv_));
+    } else {
+      return keys_data();
+    }
   }
-  Compute* mean_values_data() {
-    if constexpr (kSeparateMeans) return mean_values_.data(); else return values_.data();
-  }
-  const Compute* mean_values_data() const {
-    if constexpr (kSeparateMeans) return mean_values_.data(); else return values_.data();
-  }
+  Compute* mean_values_data() { return mean_keys_data() + capacity_ * dk_; }
+  const Compute* mean_values_data() const { return mean_keys_data() + capacity_ * dk_; }
 
-  RowMatrix<Element> keys_;         // capacity x dk
-  RowMatrix<Element> values_;       // capacity x dv
-  RowMatrix<Compute> mean_keys_;    // capacity x dk, 16-bit elements only
-  RowMatrix<Compute> mean_values_;  // capacity x dv
+  Index capacity_ = 0, dk_ = 0, dv_ = 0;
+  // D_k (capacity x dk), D_v (capacity x dv), then for 16-bit elements the means of both in
+  // Compute (from means_offset), as bytes: elements of two types in one allocation.
+  RowBuffer<unsigned char> storage_;
   std::vector<std::int64_t> counts_;
   std::vector<Compute> log_counts_;
   Index size_ = 0;
