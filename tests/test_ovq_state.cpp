@@ -769,6 +769,23 @@ TEMPLATE_TEST_CASE("ovq state: a dictionary keeps its rows and means in one allo
   const ovq::Dictionary<E> copy = dict;
   CHECK(copy == dict);
   CHECK(copy.keys().data != dict.keys().data);
+  // Assigned over a dictionary of the same shape: into the buffer it holds; of another shape:
+  // a new one. Moved: the rows go along, the source is left empty.
+  ovq::Dictionary<E> same(2048, 128, 128);
+  const E* held = same.keys().data;
+  same = copy;
+  CHECK(same == dict);
+  CHECK(same.keys().data == held);
+  ovq::Dictionary<E> other(5, 2, 3);
+  other = copy;
+  CHECK(other == dict);
+  ovq::Dictionary<E> moved(std::move(other));
+  CHECK(moved == dict);
+  CHECK(other.capacity() == 0);  // NOLINT(bugprone-use-after-move): moved from, empty
+  CHECK(other.size() == 0);      // NOLINT(bugprone-use-after-move)
+  other = std::move(moved);
+  CHECK(other == dict);
+  CHECK(moved.capacity() == 0);  // NOLINT(bugprone-use-after-move)
 
   // Small and odd shapes: the means start on a cache line past the rows.
   ovq::Dictionary<E> odd(3, 5, 1);
@@ -776,8 +793,10 @@ TEMPLATE_TEST_CASE("ovq state: a dictionary keeps its rows and means in one allo
   CHECK(at(odd_rows.keys.data) % 64 == 0);
   CHECK(at(odd_rows.mean_keys.data) % alignof(C) == 0);
   CHECK(as_eigen(odd.mean_keys()).size() == 0);
-  CHECK_THROWS_AS(ovq::Dictionary<E>(std::numeric_limits<Index>::max() / 8, 128, 128),
-                  std::bad_alloc);
+  constexpr Index kMax = std::numeric_limits<Index>::max();
+  CHECK_THROWS_AS(ovq::Dictionary<E>(kMax / 8, 128, 128), std::bad_alloc);
+  CHECK_THROWS_AS(ovq::Dictionary<E>(1, kMax, kMax), std::bad_alloc);
+  CHECK_THROWS_AS(ovq::Dictionary<E>(2, kMax / 8, kMax / 8), std::bad_alloc);
 }
 
 TEMPLATE_TEST_CASE("ovq state: VQ counts sum to the tokens of complete chunks and values are "

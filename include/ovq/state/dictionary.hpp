@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <limits>
 #include <new>
+#include <utility>
 #include <vector>
 
 #include "ovq/core/checks.hpp"
@@ -48,6 +49,34 @@ class Dictionary {
     std::fill(keys_data(), keys_data() + capacity * (dk + dv), Element(0));
     if constexpr (kSeparateMeans)
       std::fill(mean_keys_data(), mean_keys_data() + capacity * (dk + dv), Compute(0));
+  }
+
+  Dictionary(const Dictionary&) = default;
+  // A moved-from dictionary is empty (capacity 0), as a moved-from Eigen matrix is.
+  Dictionary(Dictionary&& other) noexcept { swap(other); }
+  // All or nothing: a copy that fails to allocate leaves this dictionary as it was; one of the
+  // same shape copies into the buffers already held (a state put back to a saved copy keeps
+  // its pages).
+  Dictionary& operator=(const Dictionary& other) {
+    if (this == &other) return *this;
+    if (storage_.cols() != other.storage_.cols() || counts_.size() != other.counts_.size()) {
+      Dictionary copy(other);
+      swap(copy);
+      return *this;
+    }
+    storage_ = other.storage_;
+    counts_ = other.counts_;
+    log_counts_ = other.log_counts_;
+    capacity_ = other.capacity_;
+    dk_ = other.dk_;
+    dv_ = other.dv_;
+    size_ = other.size_;
+    return *this;
+  }
+  Dictionary& operator=(Dictionary&& other) noexcept {
+    Dictionary gone(std::move(other));
+    swap(gone);
+    return *this;
   }
 
   Index capacity() const { return capacity_; }
@@ -182,8 +211,9 @@ class Dictionary {
   }
   // Throws std::bad_alloc (as an Eigen matrix of that size would) past what memory can address.
   static Index storage_bytes(Index capacity, Index dk, Index dv) {
+    constexpr Index kMost = std::numeric_limits<Index>::max() / 4;
     const Index per_row = Index(sizeof(Element)) + (kSeparateMeans ? Index(sizeof(Compute)) : 0);
-    if (capacity > std::numeric_limits<Index>::max() / 4 / (dk + dv) / per_row)
+    if (dk > kMost || dv > kMost || capacity > kMost / (dk + dv) / per_row)
       throw std::bad_alloc();
     if constexpr (kSeparateMeans)
       return means_offset(capacity, dk, dv) + capacity * (dk + dv) * Index(sizeof(Compute));
@@ -206,6 +236,15 @@ class Dictionary {
     } else {
       return keys_data();
     }
+  }
+  void swap(Dictionary& other) noexcept {
+    std::swap(capacity_, other.capacity_);
+    std::swap(dk_, other.dk_);
+    std::swap(dv_, other.dv_);
+    std::swap(storage_, other.storage_);
+    counts_.swap(other.counts_);
+    log_counts_.swap(other.log_counts_);
+    std::swap(size_, other.size_);
   }
   Compute* mean_values_data() { return mean_keys_data() + capacity_ * dk_; }
   const Compute* mean_values_data() const { return mean_keys_data() + capacity_ * dk_; }
