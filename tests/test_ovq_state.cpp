@@ -787,12 +787,22 @@ TEMPLATE_TEST_CASE("ovq state: a dictionary keeps its rows and means in one allo
   CHECK(other == dict);
   CHECK(moved.capacity() == 0);  // NOLINT(bugprone-use-after-move)
 
-  // Small and odd shapes: the means start on a cache line past the rows.
+  // Small and odd shapes (3 x (5 + 1) bf16 rows: 36 bytes): the means start on a cache line
+  // past the rows, and rows and means written do not overlap.
   ovq::Dictionary<E> odd(3, 5, 1);
   const auto odd_rows = odd.rows();
   CHECK(at(odd_rows.keys.data) % 64 == 0);
   CHECK(at(odd_rows.mean_keys.data) % alignof(C) == 0);
-  CHECK(as_eigen(odd.mean_keys()).size() == 0);
+  const Mat<float> odd_k = ovq::test::random_matrix<float>(3, 5, 323);
+  const Mat<float> odd_v = ovq::test::random_matrix<float>(3, 1, 324);
+  for (Index r = 0; r < 3; ++r) {
+    const Mat<E> kr = odd_k.row(r).cast<E>(), vr = odd_v.row(r).cast<E>();
+    odd.push(kr.data(), vr.data(), 1);
+  }
+  CHECK(ovq::as_eigen(odd.keys()) == odd_k.cast<E>());
+  CHECK(ovq::as_eigen(odd.values()) == odd_v.cast<E>());
+  CHECK(ovq::as_eigen(odd.mean_keys()) == odd_k.cast<E>().template cast<C>());
+  CHECK(ovq::as_eigen(odd.mean_values()) == odd_v.cast<E>().template cast<C>());
   constexpr Index kMax = std::numeric_limits<Index>::max();
   CHECK_THROWS_AS(ovq::Dictionary<E>(kMax / 8, 128, 128), std::bad_alloc);
   CHECK_THROWS_AS(ovq::Dictionary<E>(1, kMax, kMax), std::bad_alloc);

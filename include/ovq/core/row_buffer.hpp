@@ -87,10 +87,8 @@ class RowBuffer {
 
   // Throws std::bad_alloc (as Eigen does) for a size past what a pointer can address.
   void allocate(Index rows) {
-    if (rows < 0 || cols_ < 0 ||
-        (cols_ > 0 && static_cast<std::size_t>(rows) >
-                          (std::numeric_limits<std::size_t>::max() / 2 - kHugePage) /
-                              sizeof(T) / static_cast<std::size_t>(cols_)))
+    constexpr Index kMostElements = std::numeric_limits<Index>::max() / Index(sizeof(T));
+    if (rows < 0 || cols_ < 0 || (cols_ > 0 && rows > kMostElements / cols_))
       throw std::bad_alloc();
     const std::size_t wanted = static_cast<std::size_t>(rows * cols_) * sizeof(T);
     rows_ = rows;

@@ -204,6 +204,15 @@ class Dictionary {
     set_count(r, count);
     return r;
   }
+  void swap(Dictionary& other) noexcept {
+    std::swap(capacity_, other.capacity_);
+    std::swap(dk_, other.dk_);
+    std::swap(dv_, other.dv_);
+    std::swap(storage_, other.storage_);
+    counts_.swap(other.counts_);
+    log_counts_.swap(other.log_counts_);
+    std::swap(size_, other.size_);
+  }
   // Where the means start (16-bit elements): past the rows, on a cache line.
   static Index means_offset(Index capacity, Index dk, Index dv) {
     const Index row_bytes = capacity * (dk + dv) * Index(sizeof(Element));
@@ -236,15 +245,6 @@ class Dictionary {
     } else {
       return keys_data();
     }
-  }
-  void swap(Dictionary& other) noexcept {
-    std::swap(capacity_, other.capacity_);
-    std::swap(dk_, other.dk_);
-    std::swap(dv_, other.dv_);
-    std::swap(storage_, other.storage_);
-    counts_.swap(other.counts_);
-    log_counts_.swap(other.log_counts_);
-    std::swap(size_, other.size_);
   }
   Compute* mean_values_data() { return mean_keys_data() + capacity_ * dk_; }
   const Compute* mean_values_data() const { return mean_keys_data() + capacity_ * dk_; }
