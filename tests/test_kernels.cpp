@@ -422,8 +422,8 @@ TEST_CASE("read kernel: scores from a packed panel are the in-place scores bit f
 }
 
 // accumulate over rows [i0, i0 + rows) of a 7-row tile gives the bits of the whole tile's call
-// (6-row blocks, 4-row blocks on AVX2, pairs and single rows, single rows in runs of keys), and
-// P V within rounding.
+// (6-row blocks, 4-row blocks on AVX2, pairs and single rows, single rows in runs of keys), a
+// call with per-row factors those of scale() then accumulate, and P V within rounding.
 // The pieces run with a pacing hook, as in check_scores_rows. Values are Elements (16-bit ones
 // widened by the kernels), weights and accumulators their compute type.
 template <class Element, class Arch>
@@ -452,6 +452,20 @@ void check_accumulate_rows(Index dv, Index bk, std::uint64_t seed) {
     }
   }
   CHECK(differ == 0);
+  // With per-row factors (the read's rescaling of its running averages, zero and one among
+  // them): the bits of a pass of scale() over each row, then accumulate.
+  RowVector<Scalar> keep = p.col(0).transpose().array() + Scalar(0.25);
+  keep(1) = Scalar(1);
+  keep(4) = Scalar(0);
+  RowMatrix<Scalar> kept = start, scaled = start;
+  Ops::accumulate(p.data(), bq, bk, v.data(), dv, dv, kept.data(), dv, kernels::NoPacing{},
+                  keep.data());
+  for (Index i = 0; i < bq; ++i) Ops::scale(scaled.row(i).data(), dv, keep(i));
+  Ops::accumulate(p.data(), bq, bk, v.data(), dv, dv, scaled.data(), dv);
+  Index differ_kept = 0;
+  for (Index i = 0; i < bq; ++i)
+    for (Index c = 0; c < dv; ++c) differ_kept += kept(i, c) != scaled(i, c);
+  CHECK(differ_kept == 0);
   double worst = 0;
   for (Index i = 0; i < bq; ++i) {
     for (Index c = 0; c < dv; ++c) {

@@ -104,7 +104,9 @@ struct TileBuffers {
   using Compute = compute_t<Element>;
   AlignedVector<Query> q;
   AlignedVector<Compute> scores, acc;
-  AlignedVector<Compute> row_max, row_sum;  // the softmax passes' per-row values
+  // The softmax passes' per-row values; row_keep: the factor of each row's running average
+  // (Ops::accumulate applies it as it loads the row; kernels of paired values take a pass).
+  AlignedVector<Compute> row_max, row_sum, row_keep;
   std::vector<SoftmaxStats<Compute>> stats;
   TileStream<Element> stream;
 
@@ -114,6 +116,7 @@ struct TileBuffers {
         acc(static_cast<std::size_t>(rows * dv)),
         row_max(static_cast<std::size_t>(rows)),
         row_sum(static_cast<std::size_t>(rows)),
+        row_keep(static_cast<std::size_t>(rows)),
         stats(static_cast<std::size_t>(rows)) {}
 
   void clear_state(Index rows, Index dv) {
@@ -171,6 +174,7 @@ void fold_key_tile(const KeyAxis<Element>& axis, Index tile, Index p0, Index hea
   // independent, so a pass lets the processor overlap the chains of several rows.
   Compute* const row_max = buf.row_max.data();
   Compute* const row_sum = buf.row_sum.data();
+  Compute* const row_keep = buf.row_keep.data();
   for (Index r = 0; r < bq; ++r) {  // masked maximum (bias added)
     Compute* row = s + r * kTile;
     const Index p = p0 + r / heads;
@@ -187,6 +191,7 @@ void fold_key_tile(const KeyAxis<Element>& axis, Index tile, Index p0, Index hea
     Compute* row = s + r * kTile;
     SoftmaxStats<Compute>& st = buf.stats[static_cast<std::size_t>(r)];
     const Compute m_new = row_max[r];
+    row_keep[r] = Compute(1);
     if (m_new == kNegInf) {  // nothing visible so far: this tile adds nothing to row r
       std::fill(row, row + kTile, Compute(0));
       continue;
@@ -195,22 +200,24 @@ void fold_key_tile(const KeyAxis<Element>& axis, Index tile, Index p0, Index hea
     const Compute l_kept = st.m == m_new ? st.l : st.l * std::exp(st.m - m_new);
     const Compute l_new = l_kept + row_sum[r];
     const Compute keep = l_kept / l_new;
-    const Compute inv = Compute(1) / l_new;
-    if (keep != Compute(1)) {
-      // keep = 0: the old rows vanish next to the new maximum. Assigned, not multiplied, so
-      // that an average that rounded past the largest finite value (inf) leaves no 0 * inf.
+    if (keep == Compute(0)) {
+      // The old rows vanish next to the new maximum. Assigned, not multiplied, so that an
+      // average that rounded past the largest finite value (inf) leaves no 0 * inf.
       Compute* acc = buf.acc.data() + r * dv;
-      if (keep == Compute(0)) {
-        std::fill(acc, acc + dv, Compute(0));
-      } else {
-        Ops::scale(acc, dv, keep);
-      }
+      std::fill(acc, acc + dv, Compute(0));
+    } else {
+      row_keep[r] = keep;
     }
-    Ops::scale(row, kTile, inv);
+    Ops::scale(row, kTile, Compute(1) / l_new);
     st.l = l_new;
     st.m = m_new;
   }
+  const auto rescale_rows = [&] {  // the running averages by row_keep, as a pass of their own
+    for (Index r = 0; r < bq; ++r)
+      if (row_keep[r] != Compute(1)) Ops::scale(buf.acc.data() + r * dv, dv, row_keep[r]);
+  };
   if constexpr (Ops::kPairedValues) {  // P V over the whole tile at once, in slot pairs
+    rescale_rows();
     bool accumulated = false;
     if constexpr (packs_values_v<Ops>) {
       if (packed_values != nullptr) {
@@ -227,17 +234,23 @@ void fold_key_tile(const KeyAxis<Element>& axis, Index tile, Index p0, Index hea
     return;
   }
   // P V over the tile's memory slots, then its local slots (values live in two arrays; one
-  // pass over j either way, so the split changes no sum).
-  if (mem_hi > mem_lo)
+  // pass over j either way, so the split changes no sum). The first call that runs rescales
+  // the running averages as it loads them (row_keep).
+  const Compute* keep = row_keep;
+  if (mem_hi > mem_lo) {
     Ops::accumulate(s + mem_lo, bq, mem_hi - mem_lo, axis.memory.values.row(k0 + mem_lo - axis.pad),
-                    axis.memory.values.stride, dv, buf.acc.data(), dv, pacing);
+                    axis.memory.values.stride, dv, buf.acc.data(), dv, pacing, keep);
+    keep = nullptr;
+  }
   if constexpr (kStream) pacing.stream->finish();
   const Index loc_lo = std::max(k0, axis.local_begin()) - k0;
   const Index loc_hi = std::max(std::min(k0 + kTile, axis.end()) - k0, loc_lo);
   if (loc_hi > loc_lo)
     Ops::accumulate(s + loc_lo, bq, loc_hi - loc_lo,
                     axis.local.values.row(k0 + loc_lo - axis.local_begin()),
-                    axis.local.values.stride, dv, buf.acc.data(), dv);
+                    axis.local.values.stride, dv, buf.acc.data(), dv, NoPacing{}, keep);
+  else if (keep != nullptr)  // no slot of the tile holds a key (a tile the loop never visits)
+    rescale_rows();
 }
 
 // One read, as the steps of the tile loop: query tile t holds positions

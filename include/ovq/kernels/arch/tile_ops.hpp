@@ -7,7 +7,8 @@
 //                  finite range (NaN -> -max), returns the largest visible score
 //   exp_sum        s[j] = exp(s[j] - m) over one score row (kKeyTile entries), returns sum_j s[j]
 //   scale          x[c] *= f over n entries (exact: each product rounds once, in any order)
-//   accumulate     acc[i][:] += sum_j P[i][j] V[j][:]    P: bq x kKeyTile, V: bk x dv
+//   accumulate     acc[i][:] += sum_j P[i][j] V[j][:]    P: bq x kKeyTile, V: bk x dv (acc[i]
+//                  first multiplied by keep[i] where factors are given)
 //   any_greater    whether s[j] (+ o[j]) > t for some j < n: lets the assignment's argmax skip
 //                  a score row that cannot change its running best (exact: a NaN never wins)
 // and, for linear attention's chunk products, which score many rows against the same keys:
@@ -219,12 +220,16 @@ struct TileOps<Element, arch::scalar> {
     return sum;
   }
 
-  // Cost: 2 bq bk dv flops.
+  // keep: null, or one factor a row by which its accumulator is first multiplied (the read's
+  // rescaling of its running averages; the SIMD kernels apply it to the registers they load).
+  // Cost: 2 bq bk dv flops (and bq dv products by keep).
   template <class Pacing = NoPacing>
   static void accumulate(const Compute* p, Index bq, Index bk, const Element* v, Index v_stride,
-                         Index dv, Compute* acc, Index acc_stride, Pacing pacing = {}) {
+                         Index dv, Compute* acc, Index acc_stride, Pacing pacing = {},
+                         const Compute* keep = nullptr) {
     for (Index i = 0; i < bq; ++i) {
       Compute* a = acc + i * acc_stride;
+      if (keep != nullptr) scale(a, dv, keep[i]);
       for (Index j = 0; j < bk; ++j) {
         pacing.advance(2 * dv);
         const Compute w = p[i * kKeyTile + j];
@@ -1389,16 +1394,29 @@ struct SimdTileOps {
   // Keys from which a bf16 P V block on AVX2 widens its values 16 at a time.
   static constexpr Index kEvenOddMinKeys = 8;
 
-  // Register block: R rows x C vectors of acc. Cost 2 R bk (C W) flops.
+  // a[i][c] *= keep[i]: scale()'s products (one rounding each), on the loaded registers.
+  template <int R, int C>
+  static OVQ_ALWAYS_INLINE void rescale(reg (&a)[R][C], const float* keep) {
+    OVQ_UNROLL
+    for (int i = 0; i < R; ++i) {
+      const reg f = V::set1(keep[i]);
+      OVQ_UNROLL
+      for (int c = 0; c < C; ++c) a[i][c] = V::mul(a[i][c], f);
+    }
+  }
+
+  // Register block: R rows x C vectors of acc, each row multiplied by keep[i] as it is loaded
+  // where keep is given (accumulate). Cost 2 R bk (C W) flops.
   template <int R, int C, class Pacing>
   static void accumulate_block(const float* p, Index bk, const E* v, Index v_stride,
-                               float* acc, Index acc_stride, Pacing pacing) {
+                               float* acc, Index acc_stride, Pacing pacing, const float* keep) {
 #if defined(OVQ_ARCH_AVX2)
     // bf16 values on AVX2 widen 16 columns at a time, in blocks of an even number of vectors
     // over enough keys to repay the accumulators' reordering (not a decode step's runs).
     if constexpr (std::is_same_v<E, bf16> && std::is_same_v<V, F32x8> && C % 2 == 0) {
       if (bk >= kEvenOddMinKeys)
-        return accumulate_block_even_odd<R, C / 2>(p, bk, v, v_stride, acc, acc_stride, pacing);
+        return accumulate_block_even_odd<R, C / 2>(p, bk, v, v_stride, acc, acc_stride, pacing,
+                                                   keep);
     }
 #endif
     reg a[R][C];
@@ -1406,6 +1424,7 @@ struct SimdTileOps {
     for (int i = 0; i < R; ++i)
       OVQ_UNROLL
       for (int c = 0; c < C; ++c) a[i][c] = V::load(acc + i * acc_stride + c * W);
+    if (keep != nullptr) rescale<R, C>(a, keep);
     for (Index j = 0; j < bk; ++j) {
       if (j % kPacingKeys == 0) pacing.advance(2 * R * C * W * std::min(kPacingKeys, bk - j));
       reg vv[C];
@@ -1435,13 +1454,15 @@ struct SimdTileOps {
   // accumulate_block (only the lane that holds it differs): the same bits.
   template <int R, int G, class Pacing>
   static void accumulate_block_even_odd(const float* p, Index bk, const E* v, Index v_stride,
-                                        float* acc, Index acc_stride, Pacing pacing) {
+                                        float* acc, Index acc_stride, Pacing pacing,
+                                        const float* keep) {
     reg a[R][2 * G];
     OVQ_UNROLL
     for (int i = 0; i < R; ++i)
       OVQ_UNROLL
       for (int g = 0; g < G; ++g)
         even_odd_load(acc + i * acc_stride + 16 * g, a[i][2 * g], a[i][2 * g + 1]);
+    if (keep != nullptr) rescale<R, 2 * G>(a, keep);
     for (Index j = 0; j < bk; ++j) {
       if (j % kPacingKeys == 0) pacing.advance(2 * R * 16 * G * std::min(kPacingKeys, bk - j));
       reg vv[2 * G];
@@ -1489,29 +1510,30 @@ struct SimdTileOps {
 
   template <int R, class Pacing>
   static void accumulate_rows(const float* p, Index bk, const E* v, Index v_stride, Index dv,
-                              float* acc, Index acc_stride, Pacing pacing) {
+                              float* acc, Index acc_stride, Pacing pacing, const float* keep) {
     constexpr int kCols = accumulate_columns(R);
     if constexpr (R == 1) {
       if (bk > kDecodeRun && dv > kCols * W) {
-        for (Index j = 0; j < bk; j += kDecodeRun)
+        for (Index j = 0; j < bk; j += kDecodeRun)  // the first run rescales
           accumulate_rows<R>(p + j, std::min(kDecodeRun, bk - j), v + j * v_stride, v_stride, dv,
-                             acc, acc_stride, pacing);
+                             acc, acc_stride, pacing, j == 0 ? keep : nullptr);
         return;
       }
     }
     Index c = 0;
     for (; c + kCols * W <= dv; c += kCols * W)
-      accumulate_block<R, kCols>(p, bk, v + c, v_stride, acc + c, acc_stride, pacing);
+      accumulate_block<R, kCols>(p, bk, v + c, v_stride, acc + c, acc_stride, pacing, keep);
     if constexpr (kCols > 4)
       for (; c + 4 * W <= dv; c += 4 * W)
-        accumulate_block<R, 4>(p, bk, v + c, v_stride, acc + c, acc_stride, pacing);
+        accumulate_block<R, 4>(p, bk, v + c, v_stride, acc + c, acc_stride, pacing, keep);
     for (; c + W <= dv; c += W)
-      accumulate_block<R, 1>(p, bk, v + c, v_stride, acc + c, acc_stride, pacing);
+      accumulate_block<R, 1>(p, bk, v + c, v_stride, acc + c, acc_stride, pacing, keep);
     for (; c < dv; ++c) {  // columns past the last full vector: the same chain as the vectors
       pacing.advance(2 * R * bk);
       OVQ_UNROLL
       for (int i = 0; i < R; ++i) {
         float a = acc[i * acc_stride + c];
+        if (keep != nullptr) a *= keep[i];
         for (Index j = 0; j < bk; ++j)
           a = fused_multiply_add(p[i * kKeyTile + j], widen(v[j * v_stride + c]), a);
         acc[i * acc_stride + c] = a;
@@ -1519,23 +1541,26 @@ struct SimdTileOps {
     }
   }
 
+  // keep: null, or a factor a row (the portable accumulate's).
   template <class Pacing = NoPacing>
   static void accumulate(const float* p, Index bq, Index bk, const E* v, Index v_stride,
-                         Index dv, float* acc, Index acc_stride, Pacing pacing = {}) {
+                         Index dv, float* acc, Index acc_stride, Pacing pacing = {},
+                         const float* keep = nullptr) {
     Index i = 0;
+    const auto rows_keep = [&] { return keep != nullptr ? keep + i : nullptr; };
     for (; i + kAccRows <= bq; i += kAccRows)
       accumulate_rows<kAccRows>(p + i * kKeyTile, bk, v, v_stride, dv, acc + i * acc_stride,
-                                acc_stride, pacing);
+                                acc_stride, pacing, rows_keep());
     if constexpr (kAccRows > 4)
       for (; i + 4 <= bq; i += 4)
         accumulate_rows<4>(p + i * kKeyTile, bk, v, v_stride, dv, acc + i * acc_stride,
-                           acc_stride, pacing);
+                           acc_stride, pacing, rows_keep());
     for (; i + 2 <= bq; i += 2)
       accumulate_rows<2>(p + i * kKeyTile, bk, v, v_stride, dv, acc + i * acc_stride, acc_stride,
-                         pacing);
+                         pacing, rows_keep());
     for (; i < bq; ++i)
       accumulate_rows<1>(p + i * kKeyTile, bk, v, v_stride, dv, acc + i * acc_stride, acc_stride,
-                         pacing);
+                         pacing, rows_keep());
   }
 };
 
