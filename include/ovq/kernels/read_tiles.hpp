@@ -212,12 +212,9 @@ void fold_key_tile(const KeyAxis<Element>& axis, Index tile, Index p0, Index hea
     st.l = l_new;
     st.m = m_new;
   }
-  const auto rescale_rows = [&] {  // the running averages by row_keep, as a pass of their own
-    for (Index r = 0; r < bq; ++r)
-      if (row_keep[r] != Compute(1)) Ops::scale(buf.acc.data() + r * dv, dv, row_keep[r]);
-  };
   if constexpr (Ops::kPairedValues) {  // P V over the whole tile at once, in slot pairs
-    rescale_rows();
+    for (Index r = 0; r < bq; ++r)  // the running averages, in a pass of their own
+      if (row_keep[r] != Compute(1)) Ops::scale(buf.acc.data() + r * dv, dv, row_keep[r]);
     bool accumulated = false;
     if constexpr (packs_values_v<Ops>) {
       if (packed_values != nullptr) {
@@ -234,8 +231,8 @@ void fold_key_tile(const KeyAxis<Element>& axis, Index tile, Index p0, Index hea
     return;
   }
   // P V over the tile's memory slots, then its local slots (values live in two arrays; one
-  // pass over j either way, so the split changes no sum). The first call that runs rescales
-  // the running averages as it loads them (row_keep).
+  // pass over j either way, so the split changes no sum). The first call that runs (a visited
+  // tile holds a key, so one does) rescales the running averages as it loads them (row_keep).
   const Compute* keep = row_keep;
   if (mem_hi > mem_lo) {
     Ops::accumulate(s + mem_lo, bq, mem_hi - mem_lo, axis.memory.values.row(k0 + mem_lo - axis.pad),
@@ -249,8 +246,6 @@ void fold_key_tile(const KeyAxis<Element>& axis, Index tile, Index p0, Index hea
     Ops::accumulate(s + loc_lo, bq, loc_hi - loc_lo,
                     axis.local.values.row(k0 + loc_lo - axis.local_begin()),
                     axis.local.values.stride, dv, buf.acc.data(), dv, NoPacing{}, keep);
-  else if (keep != nullptr)  // no slot of the tile holds a key (a tile the loop never visits)
-    rescale_rows();
 }
 
 // One read, as the steps of the tile loop: query tile t holds positions
